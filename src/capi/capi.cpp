@@ -1,0 +1,134 @@
+// The C API: converts DLTensors into checked params, dispatches on the tensors' device, and turns
+// exceptions into status codes + a thread-local message. No backend ever falls back to another.
+#include <exception>
+#include <string>
+
+#include "core/error.hpp"
+#include "core/siso_bwd_params.hpp"
+#include "cpu/siso_bwd.hpp"
+#include "mamba3/mamba3.h"
+#ifdef MAMBA3_WITH_CUDA
+#include "cuda/siso_bwd.hpp"
+#endif
+
+#ifndef MAMBA3_VERSION_STRING
+#define MAMBA3_VERSION_STRING "0.0.0"
+#endif
+
+namespace {
+
+thread_local std::string g_last_error;
+
+template <class F>
+mamba3_status guarded(F&& f) {
+  try {
+    g_last_error.clear();
+    f();
+    return MAMBA3_OK;
+  } catch (const mamba3::Error& e) {
+    g_last_error = e.what();
+    return e.status();
+  } catch (const std::exception& e) {
+    g_last_error = std::string("internal error: ") + e.what();
+    return MAMBA3_ERROR_INTERNAL;
+  } catch (...) {
+    g_last_error = "internal error: unknown exception";
+    return MAMBA3_ERROR_INTERNAL;
+  }
+}
+
+[[noreturn]] void no_cuda_build(const char* op) {
+  MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, op,
+              ": tensors are on a CUDA device but this build of mamba3-kernels has no CUDA "
+              "backend (configure with -DMAMBA3_CUDA=ON)");
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* mamba3_last_error(void) { return g_last_error.c_str(); }
+const char* mamba3_version(void) { return MAMBA3_VERSION_STRING; }
+int mamba3_has_cuda(void) {
+#ifdef MAMBA3_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+mamba3_status mamba3_compute_dqktheta_workspace_size(const DLTensor* q, const DLTensor* scale,
+                                                     int64_t chunk_size,
+                                                     const DLTensor* cu_seqlens,
+                                                     size_t* workspace_bytes) {
+  return guarded([&] {
+    using namespace mamba3;
+    MAMBA3_CHECK_ARG(workspace_bytes != nullptr, "workspace_bytes: output pointer is NULL");
+    TensorView vq = make_view(q, "q"), vs = make_view(scale, "scale");
+    TensorView vc = make_view(cu_seqlens, "cu_seqlens");
+    MAMBA3_CHECK_ARG(vq.present() && vq.ndim == 4, "q: expected rank 4 [B,S,G,N]");
+    MAMBA3_CHECK_ARG(vs.present() && vs.ndim == 3, "scale: expected rank 3 [B,H,S]");
+    MAMBA3_CHECK_ARG(dqktheta_chunk_size_allowed(chunk_size), "chunk_size=", chunk_size,
+                     " is not allowed (expected 16, 32, 64, 128 or 256)");
+    (void)vc;
+    *workspace_bytes = 0;
+    if (vq.device == DeviceKind::CUDA) {
+#ifdef MAMBA3_WITH_CUDA
+      *workspace_bytes = cuda::dqktheta_workspace_bytes(vq.shape[0], vq.shape[1], vq.shape[2],
+                                                        vs.shape[1], vq.shape[3], vq.device_id);
+#else
+      no_cuda_build("compute_dqktheta");
+#endif
+    }
+  });
+}
+
+mamba3_status mamba3_compute_dqktheta(
+    const DLTensor* q, const DLTensor* k, const DLTensor* scale, const DLTensor* gamma,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* angles,
+    const DLTensor* dq_in, const DLTensor* dk_in, const DLTensor* dqk,
+    const DLTensor* d_ok_state, int64_t chunk_size, const DLTensor* cu_seqlens,
+    DLTensor* dq, DLTensor* dk, DLTensor* dq_bias, DLTensor* dk_bias, DLTensor* dangles,
+    DLTensor* dscale, DLTensor* dgamma, void* workspace, size_t workspace_bytes, void* stream) {
+  return guarded([&] {
+    using namespace mamba3;
+    DqkthetaParams p = make_dqktheta_params(q, k, scale, gamma, q_bias, k_bias, angles, dq_in,
+                                            dk_in, dqk, d_ok_state, chunk_size, cu_seqlens, dq, dk,
+                                            dq_bias, dk_bias, dangles, dscale, dgamma);
+    if (p.device == DeviceKind::CPU) {
+      cpu::compute_dqktheta(p);
+    } else {
+#ifdef MAMBA3_WITH_CUDA
+      cuda::compute_dqktheta(p, workspace, workspace_bytes, stream);
+#else
+      (void)workspace, (void)workspace_bytes, (void)stream;
+      no_cuda_build("compute_dqktheta");
+#endif
+    }
+  });
+}
+
+mamba3_status mamba3_compute_ddt_dtrap_dinput_states(
+    const DLTensor* dscale, const DLTensor* dgamma, const DLTensor* dt, const DLTensor* trap,
+    const DLTensor* d_issm_state, const DLTensor* input_k_state, const DLTensor* input_v_state,
+    const DLTensor* cu_seqlens, DLTensor* ddt, DLTensor* dtrap, DLTensor* d_input_ssm_state,
+    DLTensor* d_input_k_state, DLTensor* d_input_v_state, void* stream) {
+  return guarded([&] {
+    using namespace mamba3;
+    DdtDtrapParams p = make_ddt_dtrap_params(dscale, dgamma, dt, trap, d_issm_state, input_k_state,
+                                             input_v_state, cu_seqlens, ddt, dtrap,
+                                             d_input_ssm_state, d_input_k_state, d_input_v_state);
+    if (p.device == DeviceKind::CPU) {
+      cpu::compute_ddt_dtrap_dinput_states(p);
+    } else {
+#ifdef MAMBA3_WITH_CUDA
+      cuda::compute_ddt_dtrap_dinput_states(p, stream);
+#else
+      (void)stream;
+      no_cuda_build("compute_ddt_dtrap_dinput_states");
+#endif
+    }
+  });
+}
+
+}  // extern "C"
