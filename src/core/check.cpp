@@ -11,6 +11,10 @@ void check_present(const TensorView& v) {
 
 void check_shape(const TensorView& v, std::initializer_list<int64_t> dims,
                  std::initializer_list<const char*> names) {
+  // Fast path first: the message is only built on failure (this runs on every call).
+  bool ok = v.ndim == static_cast<int>(dims.size());
+  for (size_t i = 0; ok && i < dims.size(); ++i) ok = v.shape[i] == dims.begin()[i];
+  if (ok) return;
   std::vector<int64_t> d(dims);
   std::vector<const char*> n(names);
   std::ostringstream expect;
@@ -29,10 +33,11 @@ void check_shape(const TensorView& v, std::initializer_list<int64_t> dims,
 }
 
 void check_dtype_in(const TensorView& v, std::initializer_list<DType> allowed) {
+  for (DType t : allowed)
+    if (t == v.dtype) return;
   std::ostringstream os;
   bool first = true;
   for (DType t : allowed) {
-    if (t == v.dtype) return;
     os << (first ? "" : ", ") << dtype_name(t);
     first = false;
   }

@@ -1,0 +1,43 @@
+"""mamba3_kernels: Mamba-3 sequence-mixing kernels (CPU and CUDA backends) for PyTorch.
+
+    from mamba3_kernels import siso
+    dq, dk, dq_bias, dk_bias, dangles, dscale, dgamma = siso.compute_dqktheta(...)
+    ddt, dtrap, d_issm, d_k, d_v = siso.compute_ddt_dtrap_dinput_states(...)
+
+Install: `pip install --no-build-isolation .` in the repository (builds the CMake project with
+scikit-build-core and puts libmamba3.so into this package; CUDA backend by default, CPU only with
+`-Ccmake.define.MAMBA3_CUDA=OFF` or MAMBA3_CUDA=OFF in the environment). From a source checkout
+without installing: build with CMake and use PYTHONPATH=python (the library is then found in
+build*/ of the checkout) or point MAMBA3_LIBRARY at libmamba3.so.
+
+The library is loaded on first use (see _lib.py for the search order). `siso` (which needs torch)
+is imported on first access, so the torch-free parts (has_cuda(), library_version(), the ctypes
+layer) work without torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._lib import library_path
+
+__version__ = "0.1.0"  # keep equal to project(... VERSION) in CMakeLists.txt
+
+__all__ = ["siso", "has_cuda", "library_version", "library_path", "__version__"]
+
+
+def has_cuda() -> bool:
+    """True if the loaded libmamba3 was built with its CUDA backend."""
+    from ._lib import load
+    return bool(load().has_cuda())
+
+
+def library_version() -> str:
+    """Version string compiled into the loaded libmamba3."""
+    from ._lib import load
+    return load().version().decode()
+
+
+def __getattr__(name):
+    if name == "siso":
+        return importlib.import_module(".siso", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

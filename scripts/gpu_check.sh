@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# The one call on the GPU machine: build, C++ tests, self-check, Python tests, benchmark.
+# Every log goes under $OUT (default ./gpu_out); a summary table (pass/fail per phase, then the
+# benchmark table) is printed last. A phase that fails does not stop the later ones.
+#
+#   scripts/gpu_check.sh [options]
+#     --no-build        use the existing build directory (e.g. carried to the machine)
+#     --build-dir DIR   build directory (default: build)
+#     --tests-only      build (unless --no-build), ctest, self-check, pytest; no benchmark
+#     --bench-only      build (unless --no-build) and benchmark only
+#     --no-ctest / --no-selfcheck / --no-pytest / --no-bench   skip one phase
+#     --pip             test an installed package (pip install --no-build-isolation --no-deps
+#                       into a temporary target) instead of PYTHONPATH=python + MAMBA3_LIBRARY
+#     --quick-bench     fewer benchmark repetitions
+#     --pytest-args "..."  extra pytest arguments (e.g. "-k dqktheta -x")
+#     --budget SECONDS  total wall-clock budget (default 570): each phase's timeout is cut so
+#                       that the summary is still printed before the budget runs out
+set -o pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/gpu_out}
+mkdir -p "$OUT"
+export OUT  # the benchmark writes its JSON and table there
+PY=${PYTHON:-python3}
+# Triton's compiled kernels and upstream's autotuning results (the benchmark autotunes upstream's
+# kernels: 27-81 configurations per key) are kept in an ignored folder of the checkout, which
+# survives between calls on a machine that stays warm: a second benchmark run skips that work.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/build-triton-cache}
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+
+BUILD_DIR=build
+DO_BUILD=1 DO_CTEST=1 DO_SELFCHECK=1 DO_PYTEST=1 DO_BENCH=1 USE_PIP=0 QUICK_BENCH=0
+PYTEST_ARGS=""
+BUDGET=570
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-build) DO_BUILD=0 ;;
+    --build-dir) BUILD_DIR=$2; shift ;;
+    --tests-only) DO_BENCH=0 ;;
+    --bench-only) DO_CTEST=0 DO_SELFCHECK=0 DO_PYTEST=0 ;;
+    --no-ctest) DO_CTEST=0 ;;
+    --no-selfcheck) DO_SELFCHECK=0 ;;
+    --no-pytest) DO_PYTEST=0 ;;
+    --no-bench) DO_BENCH=0 ;;
+    --pip) USE_PIP=1 ;;
+    --quick-bench) QUICK_BENCH=1 ;;
+    --pytest-args) PYTEST_ARGS=$2; shift ;;
+    --budget) BUDGET=$2; shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$BUILD_DIR" in /*) ;; *) BUILD_DIR=$ROOT/$BUILD_DIR ;; esac
+
+START=$(date +%s)
+NPROC=$(nproc)
+declare -a SUMMARY=()
+FAILED=0
+
+# Seconds a phase may take: its own limit, cut to what is left of the budget minus a reserve
+# for the summary.
+phase_limit() {
+  local want=$1 left
+  left=$(( BUDGET - ($(date +%s) - START) - 20 ))
+  [ "$left" -lt 10 ] && left=10
+  [ "$want" -lt "$left" ] && echo "$want" || echo "$left"
+}
+
+# run_phase NAME LOGFILE LIMIT_SECONDS COMMAND...: output to the log and to the console.
+run_phase() {
+  local name=$1 log=$2 limit t0 rc dt
+  limit=$(phase_limit "$3")
+  shift 3
+  echo "=== [$name] $* (limit ${limit}s, log $log)"
+  t0=$(date +%s)
+  timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  dt=$(( $(date +%s) - t0 ))
+  local status=PASS
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 130 ]; then status="TIMEOUT"; fi
+  if [ "$rc" -ne 0 ] && [ "$status" = PASS ]; then status="FAIL(rc=$rc)"; fi
+  [ "$status" = PASS ] || FAILED=1
+  SUMMARY+=("| $name | $status | ${dt}s | $(basename "$log") |")
+  echo "=== [$name] $status in ${dt}s"
+  return "$rc"
+}
+
+skip_phase() { SUMMARY+=("| $1 | skipped: $2 | | |"); }
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  nvidia-smi -L 2>&1
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  cmake --version | head -1
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)' 2>&1
+  "$PY" -c 'import triton; print("triton", triton.__version__)' 2>&1
+  git -C "$ROOT" log -1 --format='commit %H %s' 2>/dev/null
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# ------------------------------------------------------------------ build
+BUILD_OK=1
+if [ "$DO_BUILD" = 1 ]; then
+  TESTS=ON
+  [ "$DO_CTEST" = 1 ] || TESTS=OFF
+  run_phase configure "$OUT/configure.log" 120 \
+    cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMAMBA3_CUDA=ON \
+      -DMAMBA3_BUILD_TESTS=$TESTS -DMAMBA3_BUILD_TOOLS=ON || BUILD_OK=0
+  if [ "$BUILD_OK" = 1 ]; then
+    run_phase build "$OUT/build.log" 420 cmake --build "$BUILD_DIR" -j "$NPROC" || BUILD_OK=0
+  else
+    skip_phase build "configure failed"
+  fi
+else
+  skip_phase build "--no-build ($BUILD_DIR)"
+fi
+LIB=$BUILD_DIR/libmamba3.so
+if [ ! -f "$LIB" ]; then
+  echo "gpu_check.sh: $LIB does not exist" >&2
+  BUILD_OK=0
+fi
+
+# ------------------------------------------------------------------ C++ tests and self-check
+if [ "$DO_CTEST" = 1 ]; then
+  if [ -x "$BUILD_DIR/mamba3_tests" ]; then
+    run_phase ctest "$OUT/ctest.log" 240 \
+      ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$NPROC" \
+        --output-junit "$OUT/ctest.xml"
+  else
+    skip_phase ctest "mamba3_tests not built (GoogleTest missing?)"
+  fi
+fi
+if [ "$DO_SELFCHECK" = 1 ]; then
+  if [ -x "$BUILD_DIR/mamba3-selfcheck" ]; then
+    run_phase selfcheck "$OUT/selfcheck.log" 240 \
+      "$BUILD_DIR/mamba3-selfcheck" --device cuda --output "$OUT/selfcheck.md"
+  else
+    skip_phase selfcheck "mamba3-selfcheck not built"
+  fi
+fi
+
+# ------------------------------------------------------------------ Python
+if [ "$USE_PIP" = 1 ] && { [ "$DO_PYTEST" = 1 ] || [ "$DO_BENCH" = 1 ]; }; then
+  PIP_TARGET=$(mktemp -d)
+  if run_phase pip-install "$OUT/pip_install.log" 420 \
+      "$PY" -m pip install --no-build-isolation --no-deps --no-index --target "$PIP_TARGET" \
+        "$ROOT" -Cbuild-dir="$BUILD_DIR-wheel"; then
+    export PYTHONPATH=$PIP_TARGET${PYTHONPATH:+:$PYTHONPATH}
+    unset MAMBA3_LIBRARY
+  else
+    DO_PYTEST=0 DO_BENCH=0
+    skip_phase pytest "pip install failed"
+  fi
+else
+  export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+  export MAMBA3_LIBRARY=$LIB
+fi
+
+if [ "$DO_PYTEST" = 1 ]; then
+  if [ "$USE_PIP" = 1 ] || [ "$BUILD_OK" = 1 ]; then
+    # shellcheck disable=SC2086
+    run_phase pytest "$OUT/pytest.log" 330 \
+      "$PY" -m pytest "$ROOT/tests/python" -q -rfE --durations=20 -p no:cacheprovider \
+        --junitxml="$OUT/pytest.xml" $PYTEST_ARGS
+  else
+    skip_phase pytest "no library"
+  fi
+fi
+
+BENCH_TABLE=""
+if [ "$DO_BENCH" = 1 ]; then
+  if [ "$USE_PIP" = 1 ] || [ "$BUILD_OK" = 1 ]; then
+    BENCH_ARGS=()
+    [ "$QUICK_BENCH" = 1 ] && BENCH_ARGS+=(--quick)
+    run_phase bench "$OUT/bench.log" 360 \
+      "$PY" "$ROOT/bench/bench_siso_bwd.py" "${BENCH_ARGS[@]}"
+    [ -f "$OUT/bench_siso_bwd.md" ] && BENCH_TABLE=$(cat "$OUT/bench_siso_bwd.md")
+  else
+    skip_phase bench "no library"
+  fi
+fi
+
+# ------------------------------------------------------------------ summary
+{
+  echo
+  echo "## gpu_check summary ($(( $(date +%s) - START ))s, logs in $OUT)"
+  echo
+  echo "| phase | result | time | log |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${SUMMARY[@]}"
+  if [ -f "$OUT/pytest.log" ]; then
+    echo
+    echo "pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)"
+  fi
+  if [ -n "$BENCH_TABLE" ]; then
+    echo
+    echo "$BENCH_TABLE"
+  fi
+} | tee "$OUT/summary.md"
+exit "$FAILED"
