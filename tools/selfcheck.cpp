@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "mamba3/mamba3.h"
+#include "mamba3_golden/mimo_cases.hpp"
 #include "mamba3_golden/siso_cases.hpp"
 
 using namespace mamba3::golden;
@@ -63,6 +64,33 @@ std::vector<DdtCase> ddt_cases(bool quick) {
   return v;
 }
 
+std::vector<MimoBwdFwdCase> mimo_bwd_fwd_cases(bool quick) {
+  std::vector<MimoBwdFwdCase> v;
+  auto add = [&](int64_t B, int64_t S, int64_t H, int64_t G, int64_t N, int64_t P, int64_t R,
+                 int64_t C, IoType act) {
+    MimoBwdFwdCase c;
+    c.B = B, c.S = S, c.H = H, c.G = G, c.N = N, c.P = P, c.R = R, c.chunk = C;
+    c.act = c.out = act;
+    c.seed = v.size() + 1;
+    v.push_back(c);
+    return &v.back();
+  };
+  add(1, 128, 2, 1, 64, 64, 4, 16, IoType::F32)->d = true;
+  MimoBwdFwdCase* c = add(2, 100, 4, 2, 128, 64, 2, 32, IoType::BF16);  // GQA, tail, gate + D
+  c->z = c->d = true;
+  c = add(1, 50, 2, 1, 32, 128, 8, 8, IoType::F16);  // per-rank dout, gate, tail
+  c->reduce_o = false, c->z = true, c->rdd = 2;
+  if (!quick) {
+    c = add(1, 200, 2, 1, 128, 32, 4, 16, IoType::BF16);  // fused pre-gate RMSNorm
+    c->z = c->d = c->norm = true;
+    c->out = IoType::F32;
+    add(1, 64, 1, 1, 256, 64, 4, 8, IoType::BF16);
+    add(1, 96, 2, 1, 128, 64, 1, 64, IoType::F32)->d = true;
+    add(1, 512, 4, 1, 128, 64, 4, 16, IoType::BF16)->z = true;  // an upstream grid shape, shorter
+  }
+  return v;
+}
+
 std::string fmt(double x) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.3e", x);
@@ -105,6 +133,8 @@ int main(int argc, char** argv) {
   std::vector<CaseReport> reports;
   for (const auto& c : dqktheta_cases(quick)) reports.push_back(run_dqktheta_case(c, dev, 2));
   for (const auto& c : ddt_cases(quick)) reports.push_back(run_ddt_case(c, dev, 2));
+  for (const auto& c : mimo_bwd_fwd_cases(quick))
+    reports.push_back(run_mimo_bwd_fwd_case(c, dev, 2));
 
   std::ostringstream md;
   md << "# mamba3-selfcheck\n\n"

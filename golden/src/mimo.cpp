@@ -42,12 +42,17 @@ void check(const MimoInputs<T>& in, Form form) {
   require_size(in.q_bias, H * R * N, "q_bias");
   require_size(in.k_bias, H * R * N, "k_bias");
   require_size(in.mimo_v, H * R * P, "mimo_v");
-  if (form == Form::BwdFwd) require(!in.mimo_o.empty(), "bwd_fwd needs mimo_o (reduce-O)");
   if (!in.mimo_o.empty()) require_size(in.mimo_o, H * R * P, "mimo_o");
   require(in.z.empty() == in.mimo_z.empty(), "z and mimo_z must be given together");
   if (!in.z.empty()) {
     require_size(in.z, B * S * H * P, "z");
     require_size(in.mimo_z, H * R * P, "mimo_z");
+  }
+  if (!in.norm_weight.empty()) {
+    require(!in.mimo_o.empty(), "the pre-gate RMSNorm needs mimo_o (reduce-O)");
+    require(!in.z.empty(), "the pre-gate RMSNorm needs z and mimo_z");
+    require_size(in.norm_weight, H * P, "norm_weight");
+    require(in.norm_eps > T(0), "norm_eps must be positive");
   }
   if (!in.D.empty()) require_size(in.D, H, "D");
   require_size(in.angles, B * S * H * A, "angles");
@@ -69,7 +74,8 @@ void check(const MimoInputs<T>& in, Form form) {
     require_size(in.da_cs, B * H * S, "da_cs");
     require_size(in.da_cs_rev, B * H * S, "da_cs_rev");
     require_size(in.segsum, B * H * cdiv(S, C) * C * C, "segsum");
-    if (form == Form::BwdFwd) require_size(in.dout, B * S * H * P, "dout");
+    if (form == Form::BwdFwd)
+      require_size(in.dout, in.mimo_o.empty() ? B * S * R * H * P : B * S * H * P, "dout");
   }
 }
 
@@ -306,26 +312,40 @@ T silu(T u) {
   return u * sigmoid(u);
 }
 
-// Gate and (optional) down projection of the raw readout.
+// 1 / sqrt(mean_p (y^r_p)^2 + eps) of the readout of (b, t, r, h): the pre-gate RMSNorm's scale.
+template <class T>
+T rms_scale(const MimoInputs<T>& in, const std::vector<T>& y, int64_t b, int64_t t, int64_t r,
+            int64_t h) {
+  const T* yr = &y[yidx(in, b, t, r, h)];
+  T ss = T(0);
+  for (int64_t p = 0; p < in.P; ++p) ss += yr[p] * yr[p];
+  return T(1) / std::sqrt(ss / static_cast<T>(in.P) + in.norm_eps);
+}
+
+// Optional pre-gate norm, gate and (optional) down projection of the raw readout.
 template <class T>
 std::vector<T> project(const MimoInputs<T>& in, const std::vector<T>& y) {
   const int64_t B = in.B, S = in.S, H = in.H, P = in.P, R = in.R;
-  const bool has_z = !in.z.empty(), reduce = !in.mimo_o.empty();
+  const bool has_z = !in.z.empty(), reduce = !in.mimo_o.empty(), norm = !in.norm_weight.empty();
   std::vector<T> out(reduce ? B * S * H * P : B * S * R * H * P, T(0));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < S; ++t)
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t r = 0; r < R; ++r)
+        for (int64_t r = 0; r < R; ++r) {
+          const T rstd = norm ? rms_scale(in, y, b, t, r, h) : T(1);
           for (int64_t p = 0; p < P; ++p) {
             const int64_t w = (h * R + r) * P + p;
             const int64_t zi = ((b * S + t) * H + h) * P + p;
             const T gate = has_z ? silu(in.z[zi] * in.mimo_z[w]) : T(1);
-            const T g = gate * y[yidx(in, b, t, r, h) + p];
+            T yv = y[yidx(in, b, t, r, h) + p];
+            if (norm) yv *= rstd * in.norm_weight[h * P + p];
+            const T g = gate * yv;
             if (reduce)
               out[zi] += in.mimo_o[w] * g;
             else
               out[yidx(in, b, t, r, h) + p] = g;
           }
+        }
   return out;
 }
 
@@ -375,32 +395,57 @@ MimoBwdFwdOutputs<T> mimo_bwd_fwd(const MimoInputs<T>& in) {
           }
     }
 
-  o.dmimo_o.assign(B * H * R * P, T(0));
+  const bool reduce = !in.mimo_o.empty(), norm = !in.norm_weight.empty();
+  if (reduce) o.dmimo_o.assign(B * H * R * P, T(0));
   if (has_z) {
     o.dmimo_z.assign(B * H * R * P, T(0));
     o.dz.assign(B * S * H * P, T(0));
   }
+  if (norm) {
+    o.dnorm_weight.assign(B * H * R * P, T(0));
+    o.dout_pre_rms.assign(B * H * S * R * P, T(0));
+  }
+  std::vector<T> e(P);  // norm: dL/d(normalized y) of one (t, r)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < S; ++t)
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t r = 0; r < R; ++r)
+        for (int64_t r = 0; r < R; ++r) {
+          const T* yr = &raw.y[yidx(in, b, t, r, h)];
+          const T rstd = norm ? rms_scale(in, raw.y, b, t, r, h) : T(1);
           for (int64_t p = 0; p < P; ++p) {
             const int64_t w = (h * R + r) * P + p;
             const int64_t zi = ((b * S + t) * H + h) * P + p;
             const int64_t gi = ((b * H + h) * R + r) * P + p;
-            const T y = raw.y[yidx(in, b, t, r, h) + p];
-            const T d = in.dout[zi];
-            if (!has_z) {
-              o.dmimo_o[gi] += d * y;
-              continue;
+            // What the gate multiplies: y, or its normalized and weighted form.
+            const T xhat = yr[p] * rstd;
+            const T y = norm ? xhat * in.norm_weight[h * P + p] : yr[p];
+            const T d = reduce ? in.dout[zi] : in.dout[yidx(in, b, t, r, h) + p];
+            const T wo = reduce ? in.mimo_o[w] : T(1);  // down projection (1 per rank)
+            T gate = T(1);
+            if (has_z) {
+              const T u = in.z[zi] * in.mimo_z[w];
+              const T sg = sigmoid(u);
+              gate = u * sg;
+              const T du = d * wo * y * sg * (T(1) + u * (T(1) - sg));
+              o.dmimo_z[gi] += du * in.z[zi];
+              o.dz[zi] += du * in.mimo_z[w];
             }
-            const T u = in.z[zi] * in.mimo_z[w];
-            const T sg = sigmoid(u);
-            o.dmimo_o[gi] += d * u * sg * y;
-            const T du = d * in.mimo_o[w] * y * sg * (T(1) + u * (T(1) - sg));
-            o.dmimo_z[gi] += du * in.z[zi];
-            o.dz[zi] += du * in.mimo_z[w];
+            if (reduce) o.dmimo_o[gi] += d * gate * y;
+            if (norm) {
+              e[p] = d * wo * gate;
+              o.dnorm_weight[gi] += e[p] * xhat;
+            }
           }
+          if (norm) {
+            // y -> xhat = y rstd: d xhat_p / d y_q = rstd (delta_pq - xhat_p xhat_q / P).
+            T m = T(0);
+            for (int64_t p = 0; p < P; ++p) m += e[p] * in.norm_weight[h * P + p] * yr[p] * rstd;
+            m /= static_cast<T>(P);
+            T* pre = &o.dout_pre_rms[(((b * H + h) * S + t) * R + r) * P];
+            for (int64_t p = 0; p < P; ++p)
+              pre[p] = rstd * (e[p] * in.norm_weight[h * P + p] - yr[p] * rstd * m);
+          }
+        }
   return o;
 }
 

@@ -101,6 +101,67 @@ MAMBA3_API mamba3_status mamba3_compute_ddt_dtrap_dinput_states(
     DLTensor* ddt, DLTensor* dtrap, DLTensor* d_input_ssm_state, DLTensor* d_input_k_state,
     DLTensor* d_input_v_state, void* stream);
 
+/* ---------------------------------------------------------------------------------------------
+ * MIMO backward, first pass (seed 003; upstream mamba_mimo_bwd_fwd): recomputes the chunked
+ * forward from its inputs, caches what the second pass (mimo_bwd_bwd) needs, and returns the
+ * gradients of the output projection / gate / pre-gate RMSNorm, which need no reverse scan.
+ *
+ * Sizes: B batch, S sequence (any S >= 1; need not be a multiple of C), H heads, G q/k heads
+ * (H % G == 0, head h reads q/k head g = h / (H/G)), N = headdim_qk (even, <= 256, a multiple of
+ * rotary_dim_divisor), P = headdim_v (1..256), R = MIMO rank (1..8), C = chunk_size in
+ * {8, 16, 32, 64}, nchunks = ceil(S / C), A = N / rotary_dim_divisor (divisor 2 or 4).
+ * Inputs (each float tensor any of f16 / bf16 / f32, arbitrary strides):
+ *   dout        [B,S,H,P] with mimo_o (reduce-O); [B,S,R,H,P] (per-rank) when mimo_o is NULL
+ *   q, k        [B,S,R,G,N]
+ *   v           [B,S,H,P]
+ *   q_bias, k_bias [H,R,N]
+ *   mimo_v      [H,R,P]  (Psi);  mimo_o [H,R,P] (Phi) or NULL;  mimo_z [H,R,P] (Zeta) or NULL
+ *   angles      [B,S,H,A]  accumulated angles; pairs (i, N/2 + i), i < A, are rotated
+ *   da_cs, da_cs_rev, dt, trap [B,H,S]  (trap pre-sigmoid)
+ *   segsum      [B,H,nchunks,C,C]  (only the strictly lower triangle is read)
+ *   d           [H] or NULL (D skip)
+ *   z           [B,S,H,P] or NULL; z and mimo_z are given together (SiLU gate silu(z * mimo_z))
+ *   norm_weight [H,P] or NULL: fused pre-gate headwise RMSNorm, y -> y / sqrt(mean_p y^2 +
+ *               norm_eps) * norm_weight before the gate; requires mimo_o, z and mimo_z.
+ *   norm_eps    > 0, read only with norm_weight
+ * Model: golden/include/mamba3_golden/mimo.hpp (y^r = per-rank readout before norm / gate;
+ *   out = sum_r mimo_o^r gate^r y^r, or gate^r y^r per rank without mimo_o).
+ * Partial last chunk (S % C != 0): handled by the operator as if every sequence input were
+ *   zero-padded to nchunks*C, da_cs padded with its last value and the last chunk's da_cs_rev and
+ *   segsum rebuilt from it; the caller's segsum / da_cs_rev entries of that chunk are not read.
+ * Outputs (output dtype = the dtype of `states`, one of f16 / bf16 / f32):
+ *   states       [B,H,nchunks,N,P]  output dtype: the state entering each chunk
+ *   qk_dot       [B,H,S,R,R]        output dtype: (q^r + q_bias^r) . (k^r' + k_bias^r')
+ *   dmimo_o      [B,H,R,P]  f32, per batch (sum over B for the mimo_o gradient); given exactly
+ *                when mimo_o is given
+ *   dmimo_z      [B,H,R,P]  f32, per batch; dz [B,S,H,P] output dtype; given exactly when z is
+ *   dnorm_weight [B,H,R,P]  f32, per batch and rank (sum over B and R for the norm_weight
+ *                gradient); dout_pre_rms [B,H,S*R,P] output dtype, row t*R + r = the gradient
+ *                w.r.t. y^r_t (the dout of the second pass); both given exactly with norm_weight
+ * All gradients are of sum(dout * out). Accumulation is float32; results are deterministic.
+ * mamba3_mimo_bwd_fwd_workspace_size takes the same tensors (reading only their metadata) and
+ * reports the CUDA workspace; it is 0 on the CPU.
+ * ------------------------------------------------------------------------------------------- */
+MAMBA3_API mamba3_status mamba3_mimo_bwd_fwd_workspace_size(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v, const DLTensor* mimo_o,
+    const DLTensor* angles, const DLTensor* da_cs, const DLTensor* da_cs_rev, const DLTensor* dt,
+    const DLTensor* trap, const DLTensor* segsum, const DLTensor* mimo_z, const DLTensor* d,
+    const DLTensor* z, const DLTensor* norm_weight, double norm_eps, int64_t chunk_size,
+    int64_t rotary_dim_divisor, const DLTensor* states, const DLTensor* qk_dot,
+    const DLTensor* dmimo_o, const DLTensor* dmimo_z, const DLTensor* dz,
+    const DLTensor* dnorm_weight, const DLTensor* dout_pre_rms, size_t* workspace_bytes);
+
+MAMBA3_API mamba3_status mamba3_mimo_bwd_fwd(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v, const DLTensor* mimo_o,
+    const DLTensor* angles, const DLTensor* da_cs, const DLTensor* da_cs_rev, const DLTensor* dt,
+    const DLTensor* trap, const DLTensor* segsum, const DLTensor* mimo_z, const DLTensor* d,
+    const DLTensor* z, const DLTensor* norm_weight, double norm_eps, int64_t chunk_size,
+    int64_t rotary_dim_divisor, DLTensor* states, DLTensor* qk_dot, DLTensor* dmimo_o,
+    DLTensor* dmimo_z, DLTensor* dz, DLTensor* dnorm_weight, DLTensor* dout_pre_rms,
+    void* workspace, size_t workspace_bytes, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

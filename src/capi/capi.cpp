@@ -4,11 +4,18 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "core/mimo_bwd_params.hpp"
 #include "core/siso_bwd_params.hpp"
+#include "cpu/mimo_bwd.hpp"
 #include "cpu/siso_bwd.hpp"
 #include "mamba3/mamba3.h"
 #ifdef MAMBA3_WITH_CUDA
 #include "cuda/siso_bwd.hpp"
+#endif
+// The MIMO CUDA backend (src/cuda/mimo_bwd_fwd*.cu) is built separately; until it is part of the
+// build, CUDA tensors get MAMBA3_ERROR_UNSUPPORTED from the MIMO entry points.
+#if defined(MAMBA3_WITH_CUDA) && defined(MAMBA3_WITH_MIMO_CUDA)
+#include "cuda/mimo_bwd.hpp"
 #endif
 
 #ifndef MAMBA3_VERSION_STRING
@@ -37,10 +44,22 @@ mamba3_status guarded(F&& f) {
   }
 }
 
-[[noreturn]] void no_cuda_build(const char* op) {
+[[maybe_unused]] [[noreturn]] void no_cuda_build(const char* op) {
   MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, op,
               ": tensors are on a CUDA device but this build of mamba3-kernels has no CUDA "
               "backend (configure with -DMAMBA3_CUDA=ON)");
+}
+
+// The build has CUDA but not yet this operator's kernels: still a clear UNSUPPORTED, never the
+// CPU path.
+[[maybe_unused]] [[noreturn]] void no_cuda_backend(const char* op) {
+#ifdef MAMBA3_WITH_CUDA
+  MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, op,
+              ": tensors are on a CUDA device but this build of mamba3-kernels has no CUDA "
+              "kernels for this operator");
+#else
+  no_cuda_build(op);
+#endif
 }
 
 }  // namespace
@@ -126,6 +145,61 @@ mamba3_status mamba3_compute_ddt_dtrap_dinput_states(
 #else
       (void)stream;
       no_cuda_build("compute_ddt_dtrap_dinput_states");
+#endif
+    }
+  });
+}
+
+mamba3_status mamba3_mimo_bwd_fwd_workspace_size(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v, const DLTensor* mimo_o,
+    const DLTensor* angles, const DLTensor* da_cs, const DLTensor* da_cs_rev, const DLTensor* dt,
+    const DLTensor* trap, const DLTensor* segsum, const DLTensor* mimo_z, const DLTensor* d,
+    const DLTensor* z, const DLTensor* norm_weight, double norm_eps, int64_t chunk_size,
+    int64_t rotary_dim_divisor, const DLTensor* states, const DLTensor* qk_dot,
+    const DLTensor* dmimo_o, const DLTensor* dmimo_z, const DLTensor* dz,
+    const DLTensor* dnorm_weight, const DLTensor* dout_pre_rms, size_t* workspace_bytes) {
+  return guarded([&] {
+    using namespace mamba3;
+    MAMBA3_CHECK_ARG(workspace_bytes != nullptr, "workspace_bytes: output pointer is NULL");
+    *workspace_bytes = 0;
+    MimoBwdFwdParams p = make_mimo_bwd_fwd_params(
+        dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum,
+        mimo_z, d, z, norm_weight, norm_eps, chunk_size, rotary_dim_divisor, states, qk_dot,
+        dmimo_o, dmimo_z, dz, dnorm_weight, dout_pre_rms);
+    if (p.device == DeviceKind::CUDA) {
+#if defined(MAMBA3_WITH_CUDA) && defined(MAMBA3_WITH_MIMO_CUDA)
+      *workspace_bytes = cuda::mimo_bwd_fwd_workspace_bytes(p);
+#else
+      no_cuda_backend("mimo_bwd_fwd");
+#endif
+    }
+  });
+}
+
+mamba3_status mamba3_mimo_bwd_fwd(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v, const DLTensor* mimo_o,
+    const DLTensor* angles, const DLTensor* da_cs, const DLTensor* da_cs_rev, const DLTensor* dt,
+    const DLTensor* trap, const DLTensor* segsum, const DLTensor* mimo_z, const DLTensor* d,
+    const DLTensor* z, const DLTensor* norm_weight, double norm_eps, int64_t chunk_size,
+    int64_t rotary_dim_divisor, DLTensor* states, DLTensor* qk_dot, DLTensor* dmimo_o,
+    DLTensor* dmimo_z, DLTensor* dz, DLTensor* dnorm_weight, DLTensor* dout_pre_rms,
+    void* workspace, size_t workspace_bytes, void* stream) {
+  return guarded([&] {
+    using namespace mamba3;
+    MimoBwdFwdParams p = make_mimo_bwd_fwd_params(
+        dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap, segsum,
+        mimo_z, d, z, norm_weight, norm_eps, chunk_size, rotary_dim_divisor, states, qk_dot,
+        dmimo_o, dmimo_z, dz, dnorm_weight, dout_pre_rms);
+    if (p.device == DeviceKind::CPU) {
+      cpu::mimo_bwd_fwd(p);
+    } else {
+#if defined(MAMBA3_WITH_CUDA) && defined(MAMBA3_WITH_MIMO_CUDA)
+      cuda::mimo_bwd_fwd(p, workspace, workspace_bytes, stream);
+#else
+      (void)workspace, (void)workspace_bytes, (void)stream;
+      no_cuda_backend("mimo_bwd_fwd");
 #endif
     }
   });

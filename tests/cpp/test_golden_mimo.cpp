@@ -27,11 +27,13 @@ struct Cfg {
   int64_t B = 2, S = 12, H = 2, G = 1, N = 8, P = 3, R = 2, C = 4, rdd = 4;
   bool z = true, D = true, reduce = true;
   uint64_t seed = 1;
+  bool norm = false;  // fused pre-gate RMSNorm (needs z and reduce)
+  double eps = 1e-5;
   std::string str() const {
     std::ostringstream o;
     o << "B" << B << " S" << S << " H" << H << " G" << G << " N" << N << " P" << P << " R" << R
       << " C" << C << " rdd" << rdd << (z ? " z" : "") << (D ? " D" : "") << (reduce ? "" : " per-rank")
-      << " seed" << seed;
+      << (norm ? " norm" : "") << " seed" << seed;
     return o.str();
   }
 };
@@ -69,7 +71,11 @@ MimoInputs<double> make(const Cfg& c) {
   const auto a = unif(rng, B * H * S, 0.1, 1.5);
   in.adt.resize(B * H * S);
   for (int64_t i = 0; i < B * H * S; ++i) in.adt[i] = -a[i] * in.dt[i];
-  in.dout = unif(rng, B * S * H * P, -1, 1);
+  in.dout = unif(rng, c.reduce ? B * S * H * P : B * S * R * H * P, -1, 1);
+  if (c.norm) {
+    in.norm_weight = unif(rng, H * P, 0.5, 1.5);
+    in.norm_eps = c.eps;
+  }
   mimo_dacs_segsum(in);
   return in;
 }
@@ -127,7 +133,7 @@ MimoInputs<double> sub_sequence(const MimoInputs<double>& in, int64_t s0, int64_
   o.k = slice_seq(in.k, B, S, R * G * N, s0, s1);
   o.v = slice_seq(in.v, B, S, H * P, s0, s1);
   o.z = slice_seq(in.z, B, S, H * P, s0, s1);
-  o.dout = slice_seq(in.dout, B, S, H * P, s0, s1);
+  o.dout = slice_seq(in.dout, B, S, (in.mimo_o.empty() ? R : 1) * H * P, s0, s1);
   o.angles = slice_seq(in.angles, B, S, H * A, s0, s1);
   o.dt = slice_seq(in.dt, B * H, S, 1, s0, s1);
   o.trap = slice_seq(in.trap, B * H, S, 1, s0, s1);
@@ -139,10 +145,11 @@ MimoInputs<double> sub_sequence(const MimoInputs<double>& in, int64_t s0, int64_
 
 double sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
 
-// sum over batch row b of dout * out (the scalar whose gradients bwd_fwd returns, per batch).
+// sum over batch row b of dout * out (the scalar whose gradients bwd_fwd returns, per batch);
+// out is [B,S,H,P] or, per rank, [B,S,R,H,P]: batch row b is the b-th block either way.
 double objective(const MimoInputs<double>& in, int64_t b) {
   const auto out = mimo_chunked_forward(in).out;
-  const int64_t n = in.S * in.H * in.P;
+  const int64_t n = static_cast<int64_t>(out.size()) / in.B;
   double s = 0;
   for (int64_t i = b * n; i < (b + 1) * n; ++i) s += in.dout[i] * out[i];
   return s;
@@ -509,13 +516,194 @@ TEST(GoldenMimo, BwdFwdGradientsMatchFiniteDifferences) {
   }
 }
 
+// The per-rank readout y [B,S,R,H,P] of `in` (no gate, no norm, no down projection).
+std::vector<double> raw_readout(const MimoInputs<double>& in) {
+  auto x = in;
+  x.mimo_o.clear(), x.z.clear(), x.mimo_z.clear(), x.norm_weight.clear();
+  return mimo_chunked_forward(x).out;
+}
+
+// The pre-gate RMSNorm model written out from the definition, on a given readout y:
+// out_t = sum_r mimo_o^r silu(z_t mimo_z^r) y_t^r / sqrt(mean_p (y_t^r)^2 + eps) * w.
+std::vector<double> norm_gate_project(const MimoInputs<double>& in, const std::vector<double>& y) {
+  const int64_t B = in.B, S = in.S, H = in.H, P = in.P, R = in.R;
+  std::vector<double> out(B * S * H * P, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < S; ++t)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t h = 0; h < H; ++h) {
+          const double* yr = &y[(((b * S + t) * R + r) * H + h) * P];
+          double ms = 0;
+          for (int64_t p = 0; p < P; ++p) ms += yr[p] * yr[p] / P;
+          for (int64_t p = 0; p < P; ++p) {
+            const double u = in.z[((b * S + t) * H + h) * P + p] * in.mimo_z[(h * R + r) * P + p];
+            out[((b * S + t) * H + h) * P + p] += in.mimo_o[(h * R + r) * P + p] * u * sigmoid(u) *
+                                                  yr[p] / std::sqrt(ms + in.norm_eps) *
+                                                  in.norm_weight[h * P + p];
+          }
+        }
+  return out;
+}
+
+TEST(GoldenMimo, NormForwardNormalizesEachRankBeforeTheGate) {
+  for (double eps : {1e-5, 0.5}) {
+    Cfg c;
+    c.R = 2, c.S = 10, c.H = 4, c.G = 2, c.norm = true, c.eps = eps, c.seed = 140;
+    SCOPED_TRACE(c.str());
+    const auto in = make(c);
+    const auto ref = norm_gate_project(in, raw_readout(in));
+    ASSERT_GT(max_abs(ref), 1e-2);
+    EXPECT_LT(max_rel(mimo_sequential(in).out, ref), 1e-12);
+    EXPECT_LT(max_rel(mimo_chunked_forward(in).out, ref), 1e-12);
+    // The norm changes the output (it is not silently skipped).
+    auto plain = in;
+    plain.norm_weight.clear();
+    EXPECT_GT(max_rel(mimo_chunked_forward(plain).out, ref), 1e-2);
+  }
+}
+
+// With the norm: dmimo_o, dmimo_z, dz and dnorm_weight (summed over r: the weight is shared by
+// the ranks) against central differences of sum(dout * out).
+TEST(GoldenMimo, BwdFwdNormGradientsMatchFiniteDifferences) {
+  std::vector<Cfg> cfgs(3);
+  cfgs[0].R = 2, cfgs[0].S = 8, cfgs[0].C = 4;
+  cfgs[1].R = 4, cfgs[1].S = 7, cfgs[1].C = 4, cfgs[1].N = 4, cfgs[1].D = false, cfgs[1].eps = 0.3;
+  cfgs[2].R = 1, cfgs[2].S = 6, cfgs[2].C = 2, cfgs[2].H = 4, cfgs[2].G = 2, cfgs[2].rdd = 2;
+  uint64_t seed = 150;
+  for (Cfg& c : cfgs) {
+    c.norm = true;
+    c.seed = seed++;
+    SCOPED_TRACE(c.str());
+    const auto in = make(c);
+    const auto g = mimo_bwd_fwd(in);
+    const double eps = 1e-5;
+    const int64_t B = c.B, H = c.H, P = c.P, R = c.R;
+    const auto fd_o = central_fd(in, &MimoInputs<double>::mimo_o, eps);
+    ASSERT_GT(max_abs(fd_o), 1e-2);
+    EXPECT_LT(max_rel(g.dmimo_o, fd_o), 1e-8);
+    const auto fd_mz = central_fd(in, &MimoInputs<double>::mimo_z, eps);
+    ASSERT_GT(max_abs(fd_mz), 1e-2);
+    EXPECT_LT(max_rel(g.dmimo_z, fd_mz), 1e-8);
+    const auto fd_w = central_fd(in, &MimoInputs<double>::norm_weight, eps);  // [B][H*P]
+    std::vector<double> dw(B * H * P, 0.0);
+    ASSERT_EQ(g.dnorm_weight.size(), static_cast<size_t>(B * H * R * P));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t p = 0; p < P; ++p)
+            dw[(b * H + h) * P + p] += g.dnorm_weight[((b * H + h) * R + r) * P + p];
+    ASSERT_GT(max_abs(fd_w), 1e-2);
+    EXPECT_LT(max_rel(dw, fd_w), 1e-8);
+    const auto fd_z_all = central_fd(in, &MimoInputs<double>::z, eps);
+    const int64_t n = B * c.S * H * P, per = c.S * H * P;
+    std::vector<double> fd_z(n);
+    for (int64_t i = 0; i < n; ++i) fd_z[i] = fd_z_all[(i / per) * n + i];
+    ASSERT_GT(max_abs(fd_z), 1e-2);
+    EXPECT_LT(max_rel(g.dz, fd_z), 1e-8);
+  }
+}
+
+// dout_pre_rms is the gradient of sum(dout * out) w.r.t. the raw readout y: central differences
+// over every element of y of the model written out in the test (norm_gate_project).
+TEST(GoldenMimo, DoutPreRmsIsTheGradientWrtTheReadout) {
+  for (double eps : {1e-5, 0.2}) {
+    Cfg c;
+    c.R = 2, c.S = 6, c.H = 2, c.P = 5, c.norm = true, c.eps = eps, c.seed = 160;
+    SCOPED_TRACE(c.str());
+    const auto in = make(c);
+    const auto g = mimo_bwd_fwd(in);
+    const int64_t B = c.B, S = c.S, H = c.H, P = c.P, R = c.R;
+    std::vector<double> y = raw_readout(in);
+    std::vector<double> fd(B * H * S * R * P);
+    const double h_eps = 1e-6;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < S; ++t)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t p = 0; p < P; ++p) {
+              const int64_t yi = (((b * S + t) * R + r) * H + h) * P + p;
+              const double y0 = y[yi];
+              double f[2];
+              for (int sgn = 0; sgn < 2; ++sgn) {
+                y[yi] = y0 + (sgn ? -h_eps : h_eps);
+                const auto out = norm_gate_project(in, y);
+                f[sgn] = 0;
+                for (size_t i = 0; i < out.size(); ++i) f[sgn] += in.dout[i] * out[i];
+              }
+              y[yi] = y0;
+              fd[(((b * H + h) * S + t) * R + r) * P + p] = (f[0] - f[1]) / (2 * h_eps);
+            }
+    ASSERT_GT(max_abs(fd), 1e-2);
+    EXPECT_LT(max_rel(g.dout_pre_rms, fd), 1e-8);
+  }
+}
+
+// Through the whole operator: with dout_pre_rms as the per-rank dout of an ungated, unnormalized
+// run (what the second pass consumes), the gradients w.r.t. inputs that only act through y (D,
+// q, v) are those of the normalized, gated model.
+TEST(GoldenMimo, DoutPreRmsDrivesTheReadoutGradients) {
+  Cfg c;
+  c.R = 2, c.S = 7, c.C = 4, c.H = 2, c.norm = true, c.seed = 170;
+  SCOPED_TRACE(c.str());
+  const auto in = make(c);
+  const auto g = mimo_bwd_fwd(in);
+  const int64_t B = c.B, S = c.S, H = c.H, P = c.P, R = c.R;
+  auto lin = in;
+  lin.mimo_o.clear(), lin.z.clear(), lin.mimo_z.clear(), lin.norm_weight.clear();
+  lin.dout.assign(B * S * R * H * P, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < S; ++t)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t p = 0; p < P; ++p)
+            lin.dout[(((b * S + t) * R + r) * H + h) * P + p] =
+                g.dout_pre_rms[(((b * H + h) * S + t) * R + r) * P + p];
+  for (auto field : {&MimoInputs<double>::D, &MimoInputs<double>::q, &MimoInputs<double>::v}) {
+    const auto full = central_fd(in, field, 1e-5);
+    const auto via = central_fd(lin, field, 1e-5);
+    ASSERT_GT(max_abs(full), 1e-2);
+    EXPECT_LT(max_rel(via, full), 1e-7);
+  }
+}
+
+// Per-rank dout (no mimo_o): dmimo_z and dz against central differences; no dmimo_o.
+TEST(GoldenMimo, BwdFwdPerRankGradientsMatchFiniteDifferences) {
+  for (bool z : {true, false}) {
+    Cfg c;
+    c.R = 4, c.S = 9, c.C = 4, c.N = 4, c.H = 4, c.G = 2, c.reduce = false, c.z = z;
+    c.seed = 180 + z;
+    SCOPED_TRACE(c.str());
+    const auto in = make(c);
+    const auto g = mimo_bwd_fwd(in);
+    EXPECT_TRUE(g.dmimo_o.empty());
+    EXPECT_TRUE(g.dnorm_weight.empty() && g.dout_pre_rms.empty());
+    EXPECT_EQ(g.qk_dot.size(), static_cast<size_t>(c.B * c.H * c.S * c.R * c.R));
+    if (!z) {
+      EXPECT_TRUE(g.dmimo_z.empty() && g.dz.empty());
+      continue;
+    }
+    const auto fd_mz = central_fd(in, &MimoInputs<double>::mimo_z, 1e-5);
+    ASSERT_GT(max_abs(fd_mz), 1e-2);
+    EXPECT_LT(max_rel(g.dmimo_z, fd_mz), 1e-8);
+    const auto fd_z_all = central_fd(in, &MimoInputs<double>::z, 1e-5);
+    const int64_t n = c.B * c.S * c.H * c.P, per = c.S * c.H * c.P;
+    std::vector<double> fd_z(n);
+    for (int64_t i = 0; i < n; ++i) fd_z[i] = fd_z_all[(i / per) * n + i];
+    ASSERT_GT(max_abs(fd_z), 1e-2);
+    EXPECT_LT(max_rel(g.dz, fd_z), 1e-8);
+  }
+}
+
 // Partial last chunk: the operator equals the seed's recipe run on a padded problem (sequence
 // inputs zero-padded, da_cs edge-padded, the last chunk's da_cs_rev / segsum rebuilt), with
 // the outputs that have a sequence axis cut back to S.
 TEST(GoldenMimo, TailMatchesExplicitPadding) {
-  for (int64_t S : {5, 9, 15}) {
+  for (int64_t S : {5, 9, 15})
+  for (int variant = 0; variant < 3; ++variant) {  // reduce-O + gate, + norm, per rank + gate
     Cfg c;
-    c.R = 2, c.C = 4, c.S = S, c.H = 4, c.G = 2, c.seed = 90 + S;
+    c.R = 2, c.C = 4, c.S = S, c.H = 4, c.G = 2, c.seed = 90 + S + 20 * variant;
+    c.norm = variant == 1;
+    c.reduce = variant != 2;
     SCOPED_TRACE(c.str());
     const auto in = make(c);
     const auto g = mimo_bwd_fwd(in);
@@ -536,7 +724,7 @@ TEST(GoldenMimo, TailMatchesExplicitPadding) {
     pd.k = pad(in.k, B, R * G * N, false);
     pd.v = pad(in.v, B, H * P, false);
     pd.z = pad(in.z, B, H * P, false);
-    pd.dout = pad(in.dout, B, H * P, false);
+    pd.dout = pad(in.dout, B, (c.reduce ? 1 : R) * H * P, false);
     pd.angles = pad(in.angles, B, H * A, false);
     pd.dt = pad(in.dt, B * H, 1, false);
     pd.trap = pad(in.trap, B * H, 1, false);
@@ -556,6 +744,10 @@ TEST(GoldenMimo, TailMatchesExplicitPadding) {
     EXPECT_LT(max_rel(g.dmimo_z, gp.dmimo_z), 1e-13);
     EXPECT_LT(max_rel(g.qk_dot, slice_seq(gp.qk_dot, B * H, Sp, R * R, 0, S)), 1e-15);
     EXPECT_LT(max_rel(g.dz, slice_seq(gp.dz, B, Sp, H * P, 0, S)), 1e-13);
+    EXPECT_LT(max_rel(g.dnorm_weight, gp.dnorm_weight), 1e-13);
+    EXPECT_LT(max_rel(g.dout_pre_rms, slice_seq(gp.dout_pre_rms, B * H, Sp, R * P, 0, S)), 1e-13);
+    EXPECT_EQ(g.dmimo_o.empty(), !c.reduce);
+    EXPECT_EQ(g.dnorm_weight.empty(), !c.norm);
     // The padded run's final state is the unpadded one too (zero rows add nothing).
     EXPECT_LT(max_rel(mimo_chunked_forward(in).ssm_state, mimo_chunked_forward(pd).ssm_state), 1e-13);
   }
@@ -687,7 +879,9 @@ TEST(GoldenMimo, DecayInputsReadInTheirRoles) {
 
 // The float instantiation (the dual benchmark's fp32 reference) stays close to the double golden.
 TEST(GoldenMimo, FloatCloseToDouble) {
-  for (const Cfg& base : {Cfg{}, Cfg{1, 37, 4, 2, 16, 8, 4, 8, 4, true, true, true, 3}}) {
+  for (const Cfg& base : {Cfg{}, Cfg{1, 37, 4, 2, 16, 8, 4, 8, 4, true, true, true, 3},
+                          Cfg{2, 21, 2, 1, 8, 16, 2, 8, 2, true, false, true, 4, true, 1e-5},
+                          Cfg{1, 19, 4, 2, 8, 8, 4, 4, 4, true, true, false, 5}}) {
     Cfg c = base;
     SCOPED_TRACE(c.str());
     const auto in = make(c);
@@ -700,14 +894,16 @@ TEST(GoldenMimo, FloatCloseToDouble) {
         &MimoInputs<double>::mimo_o, &MimoInputs<double>::mimo_z,    &MimoInputs<double>::z,
         &MimoInputs<double>::D,      &MimoInputs<double>::angles,    &MimoInputs<double>::dt,
         &MimoInputs<double>::trap,   &MimoInputs<double>::adt,       &MimoInputs<double>::da_cs,
-        &MimoInputs<double>::da_cs_rev, &MimoInputs<double>::segsum, &MimoInputs<double>::dout};
+        &MimoInputs<double>::da_cs_rev, &MimoInputs<double>::segsum, &MimoInputs<double>::dout,
+        &MimoInputs<double>::norm_weight};
     std::vector<float> MimoInputs<float>::*ffields[] = {
         &MimoInputs<float>::q,      &MimoInputs<float>::k,         &MimoInputs<float>::v,
         &MimoInputs<float>::q_bias, &MimoInputs<float>::k_bias,    &MimoInputs<float>::mimo_v,
         &MimoInputs<float>::mimo_o, &MimoInputs<float>::mimo_z,    &MimoInputs<float>::z,
         &MimoInputs<float>::D,      &MimoInputs<float>::angles,    &MimoInputs<float>::dt,
         &MimoInputs<float>::trap,   &MimoInputs<float>::adt,       &MimoInputs<float>::da_cs,
-        &MimoInputs<float>::da_cs_rev, &MimoInputs<float>::segsum, &MimoInputs<float>::dout};
+        &MimoInputs<float>::da_cs_rev, &MimoInputs<float>::segsum, &MimoInputs<float>::dout,
+        &MimoInputs<float>::norm_weight};
     // Round the double inputs to float first so both see the same values.
     MimoInputs<double> in_r = in;
     for (size_t i = 0; i < std::size(dfields); ++i) {
@@ -715,8 +911,12 @@ TEST(GoldenMimo, FloatCloseToDouble) {
       for (auto& x : dv) x = static_cast<float>(x);
       (f.*ffields[i]).assign(dv.begin(), dv.end());
     }
+    f.norm_eps = static_cast<float>(in.norm_eps);
+    in_r.norm_eps = f.norm_eps;
     const auto gd = mimo_bwd_fwd(in_r);
     const auto gf = mimo_bwd_fwd(f);
+    EXPECT_LT(rel_l2(gf.dnorm_weight, gd.dnorm_weight), 1e-5);
+    EXPECT_LT(rel_l2(gf.dout_pre_rms, gd.dout_pre_rms), 1e-5);
     EXPECT_LT(rel_l2(gf.states, gd.states), 1e-5);
     EXPECT_LT(max_rel(gf.qk_dot, gd.qk_dot), 1e-6);
     EXPECT_LT(rel_l2(gf.dmimo_o, gd.dmimo_o), 1e-5);
@@ -737,9 +937,28 @@ TEST(GoldenMimo, RejectsBadInputs) {
   }
   {
     auto x = in;
-    x.mimo_o.clear();  // bwd_fwd is reduce-O only
+    x.mimo_o.clear();  // per rank: dout must then be [B,S,R,H,P]
     EXPECT_THROW(mimo_bwd_fwd(x), std::invalid_argument);
     EXPECT_NO_THROW(mimo_chunked_forward(x));
+    x.dout.assign(x.B * x.S * x.R * x.H * x.P, 0.5);
+    EXPECT_NO_THROW(mimo_bwd_fwd(x));
+  }
+  {
+    auto x = in;
+    x.norm_weight.assign(x.H * x.P, 1.0);
+    EXPECT_NO_THROW(mimo_bwd_fwd(x));
+    x.norm_weight.pop_back();
+    EXPECT_THROW(mimo_bwd_fwd(x), std::invalid_argument);
+    x.norm_weight.push_back(1.0);
+    x.norm_eps = 0;
+    EXPECT_THROW(mimo_sequential(x), std::invalid_argument);
+    x.norm_eps = 1e-5;
+    auto no_z = x;  // the norm sits before the gate: it needs the gate
+    no_z.z.clear(), no_z.mimo_z.clear();
+    EXPECT_THROW(mimo_chunked_forward(no_z), std::invalid_argument);
+    auto no_o = x;  // and the reduce-O projection
+    no_o.mimo_o.clear();
+    EXPECT_THROW(mimo_chunked_forward(no_o), std::invalid_argument);
   }
   {
     auto x = in;

@@ -6,16 +6,19 @@
 // Shapes (B batch, S sequence, H heads, G q/k heads with H % G == 0, N headdim_qk (even),
 // P headdim_v, R MIMO rank, C chunk size, A = N / rotary_dim_divisor, nchunks = ceil(S / C)):
 //   q, k                      [B,S,R,G,N]   head h reads q/k head g = h / (H/G)
-//   v, z, dout                [B,S,H,P]
+//   v, z                      [B,S,H,P]
+//   dout                      [B,S,H,P] with mimo_o (reduce-O), [B,S,R,H,P] without (per rank)
 //   q_bias, k_bias            [H,R,N]
 //   mimo_v (Psi), mimo_o (Phi), mimo_z (Zeta)   [H,R,P]
 //   D                         [H]
+//   norm_weight               [H,P]         fused pre-gate headwise RMSNorm (optional)
 //   angles                    [B,S,H,A]     already accumulated angles (the angle_dt output)
 //   adt, dt, trap             [B,H,S]       adt = A*dt <= 0 (natural log), trap pre-sigmoid
 //   da_cs, da_cs_rev          [B,H,S]
 //   segsum                    [B,H,nchunks,C,C]
 //   bwd_fwd outputs: states [B,H,nchunks,N,P], qk_dot [B,H,S,R,R], dmimo_o/dmimo_z [B,H,R,P]
-//   (per batch; the caller sums over b), dz [B,S,H,P].
+//   (per batch; the caller sums over b), dz [B,S,H,P], with the norm dnorm_weight [B,H,R,P]
+//   (per batch and rank; the caller sums over b and r) and dout_pre_rms [B,H,S*R,P].
 //
 // Model, per batch b, head h, step t (x^r = v * mimo_v^r, elementwise over P):
 //   qh^r = rot(q^r + q_bias^r, angles_t), kh^r likewise; rot turns the pairs (i, N/2 + i),
@@ -25,6 +28,9 @@
 //   y_t^r = qh_t^r . H_t + D x_t^r
 //   out_t = sum_r mimo_o^r * gate_t^r * y_t^r, gate^r = silu(z_t * mimo_z^r) (1 without z);
 //   without mimo_o the per-rank output gate^r * y^r [B,S,R,H,P] is returned instead.
+//   Fused pre-gate headwise RMSNorm (norm_weight given; needs mimo_o, z and mimo_z): y_t^r is
+//   replaced by yn_t^r = y_t^r * rstd_t^r * norm_weight, rstd = 1 / sqrt(mean_p (y^r_p)^2 + eps),
+//   before the gate.
 //
 // Chunked form (what mamba3_mimo_bwd_fwd recomputes; da_cs, da_cs_rev, segsum are independent
 // inputs, never re-derived from dt, except in a partial last chunk, see below):
@@ -51,10 +57,14 @@
 // sequence axis are cut back to S. Whatever S, da_cs_rev of the last chunk only shapes the state
 // after it: no output of bwd_fwd, only the final state of mimo_chunked_forward.
 //
-// Gradients returned by mimo_bwd_fwd, of L = sum dout * out (out with mimo_o, per batch b):
-//   dmimo_o[b,h,r,p] = sum_t dout gate^r y^r
-//   with z, u = z mimo_z^r, silu'(u) = sig(u) (1 + u (1 - sig(u))), g = dout mimo_o^r y^r silu'(u):
+// Gradients returned by mimo_bwd_fwd, of L = sum dout * out (per batch b):
+//   dmimo_o[b,h,r,p] = sum_t dout gate^r y^r     (reduce-O only; absent per rank)
+//   with z, u = z mimo_z^r, silu'(u) = sig(u) (1 + u (1 - sig(u))), g = dL/du = dout mimo_o^r y^r
+//   silu'(u) (per rank: dout^r y^r silu'(u)):
 //   dmimo_z[b,h,r,p] = sum_t g z,   dz[b,t,h,p] = sum_r g mimo_z^r.
+//   With the norm, y^r above reads yn^r, and with xhat = y^r rstd, e = dout mimo_o^r gate^r:
+//   dnorm_weight[b,h,r,p] = sum_t e xhat,
+//   dout_pre_rms[b,h,t*R+r,p] = dL/dy_t^r = rstd (e w_p - xhat_p mean_q(e w_q xhat_q)).
 #pragma once
 
 #include <cstdint>
@@ -76,6 +86,9 @@ struct MimoInputs {
   std::vector<T> mimo_z;          // [H,R,P] or empty; z and mimo_z are both given or both empty
   std::vector<T> z;               // [B,S,H,P] or empty
   std::vector<T> D;               // [H] or empty
+  // Fused pre-gate headwise RMSNorm: [H,P] or empty (then norm_eps is not read).
+  std::vector<T> norm_weight;
+  T norm_eps = T(1e-5);
   std::vector<T> angles;          // [B,S,H,A] accumulated
   std::vector<T> dt, trap;        // [B,H,S]
 
@@ -90,7 +103,7 @@ struct MimoInputs {
   std::vector<T> da_cs, da_cs_rev;  // [B,H,S]
   std::vector<T> segsum;            // [B,H,nchunks,C,C]
   // bwd_fwd only.
-  std::vector<T> dout;  // [B,S,H,P]
+  std::vector<T> dout;  // [B,S,H,P] with mimo_o, [B,S,R,H,P] without
 };
 
 template <class T>
@@ -106,9 +119,11 @@ template <class T>
 struct MimoBwdFwdOutputs {
   std::vector<T> states;   // [B,H,nchunks,N,P]
   std::vector<T> qk_dot;   // [B,H,S,R,R]
-  std::vector<T> dmimo_o;  // [B,H,R,P]
-  std::vector<T> dmimo_z;  // [B,H,R,P], empty without z
-  std::vector<T> dz;       // [B,S,H,P], empty without z
+  std::vector<T> dmimo_o;       // [B,H,R,P], empty without mimo_o
+  std::vector<T> dmimo_z;       // [B,H,R,P], empty without z
+  std::vector<T> dz;            // [B,S,H,P], empty without z
+  std::vector<T> dnorm_weight;  // [B,H,R,P], empty without norm_weight
+  std::vector<T> dout_pre_rms;  // [B,H,S*R,P], empty without norm_weight
 };
 
 // The sequential recurrence, one step at a time (the definition). Reads the shared fields, adt
@@ -122,7 +137,7 @@ MimoOutputs<T> mimo_sequential(const MimoInputs<T>& in);
 template <class T>
 MimoOutputs<T> mimo_chunked_forward(const MimoInputs<T>& in);
 
-// mamba3_mimo_bwd_fwd: the operator's five outputs for in.dout (requires mimo_o).
+// mamba3_mimo_bwd_fwd: the operator's outputs for in.dout (reduce-O or per rank).
 template <class T>
 MimoBwdFwdOutputs<T> mimo_bwd_fwd(const MimoInputs<T>& in);
 

@@ -1,0 +1,41 @@
+// Test/self-check harness of the MIMO backward first pass mamba3_mimo_bwd_fwd: one "case" = sizes
+// + dtypes + options. run_mimo_bwd_fwd_case() draws deterministic random inputs rounded to the
+// case's dtypes (da_cs, da_cs_rev and segsum derived from one random adt <= 0 by
+// mimo_dacs_segsum, then rounded), computes the float64 golden and the float32 reference from
+// exactly those rounded values, runs the operator through the public C API on the chosen device
+// with NaN-poisoned outputs, and compares every output with the SPEC.md section 3 rule (per-batch
+// dmimo_o / dmimo_z / dnorm_weight as whole tensors).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mamba3_golden/host.hpp"
+#include "mamba3_golden/siso_cases.hpp"  // Device, CaseReport
+
+namespace mamba3::golden {
+
+struct MimoBwdFwdCase {
+  int64_t B = 1, S = 64, H = 2, G = 1, N = 64, P = 64, R = 4, chunk = 16, rdd = 4;
+  IoType act = IoType::F32;    // dout, q, k, v, z
+  IoType param = IoType::F32;  // q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_weight
+  IoType decay = IoType::F32;  // angles, da_cs, da_cs_rev, dt, trap, segsum
+  IoType out = IoType::F32;    // output dtype: states, qk_dot, dz, dout_pre_rms
+  bool reduce_o = true;        // mimo_o given (dout [B,S,H,P]); else per-rank dout [B,S,R,H,P]
+  bool z = false;              // SiLU gate (z and mimo_z)
+  bool d = false;              // D skip
+  bool norm = false;           // fused pre-gate RMSNorm (needs reduce_o and z)
+  double norm_eps = 1e-5;
+  int64_t pad = 0;             // pad the innermost dim of every input (non-contiguous views)
+  // Fill what the operator must not read with NaN: segsum on and above the diagonal, and in a
+  // partial last chunk that chunk's segsum and da_cs_rev (the tail contract).
+  bool nan_unread = true;
+  uint64_t seed = 1;
+  std::string describe() const;  // e.g. "B2 S50 H4 G2 N64 P32 R4 C16 rdd4 bf16/f32/f32->f16 z D"
+};
+
+// Runs the case `repeats` times and also checks that all runs are bitwise identical (recorded as
+// an extra output row "bitwise_repeat" when repeats > 1).
+CaseReport run_mimo_bwd_fwd_case(const MimoBwdFwdCase& c, Device dev, int repeats = 1);
+
+}  // namespace mamba3::golden

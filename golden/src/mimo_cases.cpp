@@ -1,0 +1,220 @@
+#include "mamba3_golden/mimo_cases.hpp"
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <sstream>
+
+#include "case_support.hpp"
+#include "mamba3/mamba3.h"
+#include "mamba3_golden/mimo.hpp"
+
+namespace mamba3::golden {
+
+using namespace cases;
+
+namespace {
+
+Buffer make_from(IoType t, std::vector<int64_t> shape, const std::vector<double>& v, int64_t pad) {
+  Buffer b = Buffer::from_double(t, std::move(shape), v);
+  return pad > 0 ? b.padded(pad) : b;
+}
+
+std::vector<double> rounded(std::vector<double> v, IoType t) {
+  for (double& x : v) x = round_to(x, t);
+  return v;
+}
+
+// An optional operand: absent (NULL at the C API) or a Buffer with its device copy.
+struct Opt {
+  std::unique_ptr<Operand> op;
+  Opt() = default;
+  Opt(Buffer* b, bool given, Device dev) {
+    if (given) op = std::make_unique<Operand>(b, dev);
+  }
+  DLTensor* dl() { return op ? op->dl() : nullptr; }
+  void download() {
+    if (op) op->download();
+  }
+};
+
+}  // namespace
+
+std::string MimoBwdFwdCase::describe() const {
+  std::ostringstream os;
+  os << "B" << B << " S" << S << " H" << H << " G" << G << " N" << N << " P" << P << " R" << R
+     << " C" << chunk << " rdd" << rdd << ' ' << io_name(act) << '/' << io_name(param) << '/'
+     << io_name(decay) << "->" << io_name(out);
+  os << (reduce_o ? "" : " per-rank") << (z ? " z" : "") << (d ? " D" : "");
+  if (norm) os << " norm(eps=" << norm_eps << ')';
+  if (pad) os << " pad" << pad;
+  return os.str();
+}
+
+CaseReport run_mimo_bwd_fwd_case(const MimoBwdFwdCase& c, Device dev, int repeats) {
+  CaseReport rep;
+  rep.op = "mimo_bwd_fwd";
+  rep.case_name = c.describe();
+  rep.dtype = io_name(c.act);
+  rep.device = dev;
+  try {
+    const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.chunk;
+    const int64_t A = N / c.rdd, nch = (S + C - 1) / C;
+    std::mt19937_64 rng(c.seed * 0xA24BAED4963EE407ull + 4242);
+    const std::vector<int64_t> dout_shape =
+        c.reduce_o ? std::vector<int64_t>{B, S, H, P} : std::vector<int64_t>{B, S, R, H, P};
+    Buffer dout = make_input(rng, c.act, dout_shape, -1, 1, c.pad);
+    Buffer q = make_input(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
+    Buffer k = make_input(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
+    Buffer v = make_input(rng, c.act, {B, S, H, P}, -1, 1, c.pad);
+    Buffer qb = make_input(rng, c.param, {H, R, N}, -0.5, 0.5, c.pad);
+    Buffer kb = make_input(rng, c.param, {H, R, N}, -0.5, 0.5, c.pad);
+    Buffer mv = make_input(rng, c.param, {H, R, P}, -1, 1, c.pad);
+    Buffer mo, mz, z, d, nw;
+    if (c.reduce_o) mo = make_input(rng, c.param, {H, R, P}, -1, 1, c.pad);
+    if (c.z) {
+      mz = make_input(rng, c.param, {H, R, P}, -1.5, 1.5, c.pad);
+      z = make_input(rng, c.act, {B, S, H, P}, -2, 2, c.pad);
+    }
+    if (c.d) d = make_input(rng, c.param, {H}, -1, 1, c.pad);
+    if (c.norm) nw = make_input(rng, c.param, {H, P}, 0.5, 1.5, c.pad);
+    Buffer angles = make_input(rng, c.decay, {B, S, H, A}, -3, 3, c.pad);
+    Buffer dt = make_input(rng, c.decay, {B, H, S}, 0.05, 0.6, c.pad);
+    Buffer trap = make_input(rng, c.decay, {B, H, S}, -2, 2, c.pad);
+
+    // da_cs, da_cs_rev and segsum from one adt = -a * dt <= 0 (upstream's compute_dacs_segsum),
+    // then rounded to their dtype: from here on they are three independent inputs.
+    MimoInputs<double> dec;
+    dec.B = B, dec.H = H, dec.S = S, dec.chunk_size = C;
+    {
+      const std::vector<double> dtv = dt.to_double();
+      const std::vector<double> a = uniform(rng, B * H * S, 0.1, 1.5, IoType::F64);
+      dec.adt.resize(B * H * S);
+      for (int64_t i = 0; i < B * H * S; ++i) dec.adt[i] = -a[i] * dtv[i];
+      mimo_dacs_segsum(dec);
+    }
+    std::vector<double> da_cs_v = rounded(dec.da_cs, c.decay);
+    std::vector<double> da_cs_rev_v = rounded(dec.da_cs_rev, c.decay);
+    std::vector<double> segsum_v = rounded(dec.segsum, c.decay);
+    if (c.nan_unread) {
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      const bool partial = S % C != 0;
+      for (int64_t bh = 0; bh < B * H; ++bh) {
+        for (int64_t ch = 0; ch < nch; ++ch)
+          for (int64_t i = 0; i < C; ++i)
+            for (int64_t j = 0; j < C; ++j)
+              if (j >= i || (partial && ch == nch - 1))
+                segsum_v[((bh * nch + ch) * C + i) * C + j] = nan;
+        if (partial)
+          for (int64_t t = (nch - 1) * C; t < S; ++t) da_cs_rev_v[bh * S + t] = nan;
+      }
+    }
+    Buffer da_cs = make_from(c.decay, {B, H, S}, da_cs_v, c.pad);
+    Buffer da_cs_rev = make_from(c.decay, {B, H, S}, da_cs_rev_v, c.pad);
+    Buffer segsum = make_from(c.decay, {B, H, nch, C, C}, segsum_v, c.pad);
+
+    // Golden (double) and reference (float) from exactly the rounded inputs.
+    MimoInputs<double> gi;
+    gi.B = B, gi.S = S, gi.H = H, gi.G = G, gi.N = N, gi.P = P, gi.R = R;
+    gi.rotary_dim_divisor = c.rdd, gi.chunk_size = C;
+    gi.dout = dout.to_double(), gi.q = q.to_double(), gi.k = k.to_double(), gi.v = v.to_double();
+    gi.q_bias = qb.to_double(), gi.k_bias = kb.to_double(), gi.mimo_v = mv.to_double();
+    if (c.reduce_o) gi.mimo_o = mo.to_double();
+    if (c.z) gi.mimo_z = mz.to_double(), gi.z = z.to_double();
+    if (c.d) gi.D = d.to_double();
+    if (c.norm) gi.norm_weight = nw.to_double(), gi.norm_eps = c.norm_eps;
+    gi.angles = angles.to_double(), gi.dt = dt.to_double(), gi.trap = trap.to_double();
+    gi.da_cs = da_cs.to_double(), gi.da_cs_rev = da_cs_rev.to_double();
+    gi.segsum = segsum.to_double();
+    MimoInputs<float> fi;
+    fi.B = B, fi.S = S, fi.H = H, fi.G = G, fi.N = N, fi.P = P, fi.R = R;
+    fi.rotary_dim_divisor = c.rdd, fi.chunk_size = C;
+    fi.dout = cast<float>(gi.dout), fi.q = cast<float>(gi.q), fi.k = cast<float>(gi.k);
+    fi.v = cast<float>(gi.v), fi.q_bias = cast<float>(gi.q_bias),
+    fi.k_bias = cast<float>(gi.k_bias);
+    fi.mimo_v = cast<float>(gi.mimo_v), fi.mimo_o = cast<float>(gi.mimo_o);
+    fi.mimo_z = cast<float>(gi.mimo_z), fi.z = cast<float>(gi.z), fi.D = cast<float>(gi.D);
+    fi.norm_weight = cast<float>(gi.norm_weight), fi.norm_eps = static_cast<float>(c.norm_eps);
+    fi.angles = cast<float>(gi.angles), fi.dt = cast<float>(gi.dt), fi.trap = cast<float>(gi.trap);
+    fi.da_cs = cast<float>(gi.da_cs), fi.da_cs_rev = cast<float>(gi.da_cs_rev);
+    fi.segsum = cast<float>(gi.segsum);
+    const MimoBwdFwdOutputs<double> gold = mimo_bwd_fwd(gi);
+    const MimoBwdFwdOutputs<float> ref = mimo_bwd_fwd(fi);
+
+    std::vector<std::vector<unsigned char>> first_run;
+    for (int rr = 0; rr < std::max(1, repeats); ++rr) {
+      Buffer states = make_output(c.out, {B, H, nch, N, P});
+      Buffer qk_dot = make_output(c.out, {B, H, S, R, R});
+      Buffer dmo, dmz, dz, dnw, dpre;
+      if (c.reduce_o) dmo = make_output(IoType::F32, {B, H, R, P});
+      if (c.z) dmz = make_output(IoType::F32, {B, H, R, P}), dz = make_output(c.out, {B, S, H, P});
+      if (c.norm)
+        dnw = make_output(IoType::F32, {B, H, R, P}), dpre = make_output(c.out, {B, H, S * R, P});
+
+      Operand odout(&dout, dev), oq(&q, dev), ok(&k, dev), ov(&v, dev), oqb(&qb, dev),
+          okb(&kb, dev), omv(&mv, dev), oang(&angles, dev), odacs(&da_cs, dev),
+          orev(&da_cs_rev, dev), odt(&dt, dev), otrap(&trap, dev), oseg(&segsum, dev);
+      Opt omo(&mo, c.reduce_o, dev), omz(&mz, c.z, dev), od(&d, c.d, dev), oz(&z, c.z, dev),
+          onw(&nw, c.norm, dev);
+      Operand Ostates(&states, dev), Oqk(&qk_dot, dev);
+      Opt Odmo(&dmo, c.reduce_o, dev), Odmz(&dmz, c.z, dev), Odz(&dz, c.z, dev),
+          Odnw(&dnw, c.norm, dev), Odpre(&dpre, c.norm, dev);
+      Launch L(dev);
+      size_t ws = 0;
+      mamba3_status st = mamba3_mimo_bwd_fwd_workspace_size(
+          odout.dl(), oq.dl(), ok.dl(), ov.dl(), oqb.dl(), okb.dl(), omv.dl(), omo.dl(), oang.dl(),
+          odacs.dl(), orev.dl(), odt.dl(), otrap.dl(), oseg.dl(), omz.dl(), od.dl(), oz.dl(),
+          onw.dl(), c.norm_eps, C, c.rdd, Ostates.dl(), Oqk.dl(), Odmo.dl(), Odmz.dl(), Odz.dl(),
+          Odnw.dl(), Odpre.dl(), &ws);
+      if (st != MAMBA3_OK) {
+        rep.error = status_message(st);
+        return rep;
+      }
+      L.alloc_workspace(ws);
+      const double ms = L.timed([&] {
+        st = mamba3_mimo_bwd_fwd(odout.dl(), oq.dl(), ok.dl(), ov.dl(), oqb.dl(), okb.dl(),
+                                 omv.dl(), omo.dl(), oang.dl(), odacs.dl(), orev.dl(), odt.dl(),
+                                 otrap.dl(), oseg.dl(), omz.dl(), od.dl(), oz.dl(), onw.dl(),
+                                 c.norm_eps, C, c.rdd, Ostates.dl(), Oqk.dl(), Odmo.dl(),
+                                 Odmz.dl(), Odz.dl(), Odnw.dl(), Odpre.dl(), L.workspace, ws,
+                                 L.stream);
+      });
+      if (st != MAMBA3_OK) {
+        rep.error = status_message(st);
+        return rep;
+      }
+      Ostates.download();
+      Oqk.download();
+      for (Opt* o : {&Odmo, &Odmz, &Odz, &Odnw, &Odpre}) o->download();
+      std::vector<std::vector<unsigned char>> bytes = {states.bytes, qk_dot.bytes, dmo.bytes,
+                                                       dmz.bytes,    dz.bytes,     dnw.bytes,
+                                                       dpre.bytes};
+      if (rr == 0) {
+        rep.time_ms = ms;
+        first_run = bytes;
+        const IoType io = loosest(loosest(c.act, c.param), loosest(c.decay, c.out));
+        add_output(rep, "states", states, gold.states, ref.states, io);
+        add_output(rep, "qk_dot", qk_dot, gold.qk_dot, ref.qk_dot, io, /*near_zero=*/true);
+        if (c.reduce_o) add_output(rep, "dmimo_o", dmo, gold.dmimo_o, ref.dmimo_o, io);
+        if (c.z) {
+          add_output(rep, "dmimo_z", dmz, gold.dmimo_z, ref.dmimo_z, io, /*near_zero=*/true);
+          add_output(rep, "dz", dz, gold.dz, ref.dz, io);
+        }
+        if (c.norm) {
+          add_output(rep, "dnorm_weight", dnw, gold.dnorm_weight, ref.dnorm_weight, io);
+          add_output(rep, "dout_pre_rms", dpre, gold.dout_pre_rms, ref.dout_pre_rms, io);
+        }
+      } else if (rr == repeats - 1) {
+        add_bitwise(rep, bytes == first_run);
+      } else if (bytes != first_run) {
+        add_bitwise(rep, false);
+        break;
+      }
+    }
+  } catch (const std::exception& e) {
+    rep.error = std::string("harness: ") + e.what();
+  }
+  return rep;
+}
+
+}  // namespace mamba3::golden
