@@ -15,6 +15,17 @@
 #     --pytest-args "..."  extra pytest arguments (e.g. "-k dqktheta -x")
 #     --budget SECONDS  total wall-clock budget (default 570): each phase's timeout is cut so
 #                       that the summary is still printed before the budget runs out
+#   MIMO (mamba3_mimo_bwd_fwd; off by default: the SISO phases above are unchanged, except that
+#   the MIMO CUDA test file is left out of their pytest run):
+#     --mimo            after the SISO phases, run the MIMO phases: pytest-mimo
+#                       (tests/python/test_mimo_bwd_fwd_{cuda,cpu}.py) and bench-mimo
+#                       (bench/bench_mimo_bwd.py; needs --budget ~900 with everything else on)
+#     --mimo-only       the MIMO phases instead of the SISO pytest and benchmark phases
+#     --mimo-bench-args "..."  extra benchmark arguments (e.g. "--shapes 0,3 --quick")
+#     --tilelang-site DIR  prepended to PYTHONPATH of the MIMO benchmark only, where tilelang
+#                       was installed (pip install --no-index --no-deps --target DIR ...);
+#                       default $TILELANG_SITE. Without tilelang the benchmark says so and
+#                       compares with the float32 torch reference instead of upstream.
 set -o pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -28,11 +39,14 @@ PY=${PYTHON:-python3}
 # survives between calls on a machine that stays warm: a second benchmark run skips that work.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/build-triton-cache}
 export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+# TileLang's compiled kernels (upstream's MIMO kernel, one per benchmark shape), likewise.
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$ROOT/build-tilelang-cache}
 
 BUILD_DIR=build
 DO_BUILD=1 DO_CTEST=1 DO_SELFCHECK=1 DO_PYTEST=1 DO_BENCH=1 USE_PIP=0 QUICK_BENCH=0
 PYTEST_ARGS=""
 BUDGET=570
+DO_MIMO=0 MIMO_ONLY=0 MIMO_BENCH_ARGS="" TILELANG_SITE=${TILELANG_SITE:-}
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-build) DO_BUILD=0 ;;
@@ -47,7 +61,11 @@ while [ $# -gt 0 ]; do
     --quick-bench) QUICK_BENCH=1 ;;
     --pytest-args) PYTEST_ARGS=$2; shift ;;
     --budget) BUDGET=$2; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --mimo) DO_MIMO=1 ;;
+    --mimo-only) DO_MIMO=1 MIMO_ONLY=1 ;;
+    --mimo-bench-args) MIMO_BENCH_ARGS=$2; shift ;;
+    --tilelang-site) TILELANG_SITE=$2; shift ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -160,12 +178,24 @@ else
   export MAMBA3_LIBRARY=$LIB
 fi
 
+# The MIMO tests run in their own phase (--mimo); the SISO phase leaves them out.
+MIMO_TESTS=("$ROOT/tests/python/test_mimo_bwd_fwd_cuda.py")
+[ "$DO_MIMO" = 1 ] && MIMO_TESTS+=("$ROOT/tests/python/test_mimo_bwd_fwd_cpu.py")
+MIMO_IGNORE=()
+for f in "${MIMO_TESTS[@]}"; do MIMO_IGNORE+=("--ignore=$f"); done
+if [ "$MIMO_ONLY" = 1 ]; then
+  DO_PYTEST_MIMO=$DO_PYTEST DO_BENCH_MIMO=$DO_BENCH
+  DO_PYTEST=0 DO_BENCH=0
+else
+  DO_PYTEST_MIMO=$(( DO_MIMO && DO_PYTEST )) DO_BENCH_MIMO=$(( DO_MIMO && DO_BENCH ))
+fi
+
 if [ "$DO_PYTEST" = 1 ]; then
   if [ "$USE_PIP" = 1 ] || [ "$BUILD_OK" = 1 ]; then
     # shellcheck disable=SC2086
     run_phase pytest "$OUT/pytest.log" 330 \
       "$PY" -m pytest "$ROOT/tests/python" -q -rfE --durations=20 -p no:cacheprovider \
-        --junitxml="$OUT/pytest.xml" $PYTEST_ARGS
+        --junitxml="$OUT/pytest.xml" "${MIMO_IGNORE[@]}" $PYTEST_ARGS
   else
     skip_phase pytest "no library"
   fi
@@ -184,6 +214,41 @@ if [ "$DO_BENCH" = 1 ]; then
   fi
 fi
 
+# ------------------------------------------------------------------ MIMO
+if [ "$DO_PYTEST_MIMO" = 1 ]; then
+  if [ "$USE_PIP" = 1 ] || [ "$BUILD_OK" = 1 ]; then
+    # shellcheck disable=SC2086
+    run_phase pytest-mimo "$OUT/pytest_mimo.log" 240 \
+      "$PY" -m pytest "$ROOT/tests/python/test_mimo_bwd_fwd_cuda.py" \
+        "$ROOT/tests/python/test_mimo_bwd_fwd_cpu.py" -q -rfE --durations=15 \
+        -p no:cacheprovider --junitxml="$OUT/pytest_mimo.xml" $PYTEST_ARGS
+  else
+    skip_phase pytest-mimo "no library"
+  fi
+fi
+MIMO_BENCH_TABLE=""
+if [ "$DO_BENCH_MIMO" = 1 ]; then
+  if [ "$USE_PIP" = 1 ] || [ "$BUILD_OK" = 1 ]; then
+    MB_ARGS=()
+    [ "$QUICK_BENCH" = 1 ] && MB_ARGS+=(--quick)
+    # shellcheck disable=SC2206
+    [ -n "$MIMO_BENCH_ARGS" ] && MB_ARGS+=($MIMO_BENCH_ARGS)
+    MB_PYTHONPATH=$PYTHONPATH
+    if [ -n "$TILELANG_SITE" ]; then
+      if [ -d "$TILELANG_SITE" ]; then
+        MB_PYTHONPATH=$TILELANG_SITE${PYTHONPATH:+:$PYTHONPATH}
+      else
+        echo "gpu_check.sh: --tilelang-site $TILELANG_SITE does not exist" >&2
+      fi
+    fi
+    run_phase bench-mimo "$OUT/bench_mimo.log" 330 \
+      env PYTHONPATH="$MB_PYTHONPATH" "$PY" "$ROOT/bench/bench_mimo_bwd.py" "${MB_ARGS[@]}"
+    [ -f "$OUT/bench_mimo_bwd.md" ] && MIMO_BENCH_TABLE=$(cat "$OUT/bench_mimo_bwd.md")
+  else
+    skip_phase bench-mimo "no library"
+  fi
+fi
+
 # ------------------------------------------------------------------ summary
 {
   echo
@@ -196,9 +261,17 @@ fi
     echo
     echo "pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)"
   fi
+  if [ -f "$OUT/pytest_mimo.log" ]; then
+    echo
+    echo "pytest-mimo: $(grep -E '(passed|failed|error)' "$OUT/pytest_mimo.log" | tail -1)"
+  fi
   if [ -n "$BENCH_TABLE" ]; then
     echo
     echo "$BENCH_TABLE"
+  fi
+  if [ -n "$MIMO_BENCH_TABLE" ]; then
+    echo
+    echo "$MIMO_BENCH_TABLE"
   fi
 } | tee "$OUT/summary.md"
 exit "$FAILED"

@@ -1,8 +1,9 @@
 """mamba3_kernels: Mamba-3 sequence-mixing kernels (CPU and CUDA backends) for PyTorch.
 
-    from mamba3_kernels import siso
+    from mamba3_kernels import siso, mimo
     dq, dk, dq_bias, dk_bias, dangles, dscale, dgamma = siso.compute_dqktheta(...)
     ddt, dtrap, d_issm, d_k, d_v = siso.compute_ddt_dtrap_dinput_states(...)
+    states, qk_dot, dmimo_o, dmimo_z, dz = mimo.mamba3_mimo_bwd_fwd(...)
 
 Install: `pip install --no-build-isolation .` in the repository (builds the CMake project with
 scikit-build-core and puts libmamba3.so into this package; CUDA backend by default, CPU only with
@@ -10,9 +11,9 @@ scikit-build-core and puts libmamba3.so into this package; CUDA backend by defau
 without installing: build with CMake and use PYTHONPATH=python (the library is then found in
 build*/ of the checkout) or point MAMBA3_LIBRARY at libmamba3.so.
 
-The library is loaded on first use (see _lib.py for the search order). `siso` (which needs torch)
-is imported on first access, so the torch-free parts (has_cuda(), library_version(), the ctypes
-layer) work without torch.
+The library is loaded on first use (see _lib.py for the search order). `siso` and `mimo` (which
+need torch; mimo's functions are also reachable from here) are imported on first access, so the
+torch-free parts (has_cuda(), library_version(), the ctypes layer) work without torch.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from ._lib import library_path
 
 __version__ = "0.1.0"  # keep equal to project(... VERSION) in CMakeLists.txt
 
-__all__ = ["siso", "has_cuda", "library_version", "library_path", "__version__"]
+__all__ = ["siso", "mimo", "mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out", "has_cuda",
+           "library_version", "library_path", "__version__"]
 
 
 def has_cuda() -> bool:
@@ -38,6 +40,8 @@ def library_version() -> str:
 
 
 def __getattr__(name):
-    if name == "siso":
-        return importlib.import_module(".siso", __name__)
+    if name in ("siso", "mimo"):
+        return importlib.import_module("." + name, __name__)
+    if name in ("mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out"):
+        return getattr(importlib.import_module(".mimo", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,6 +40,12 @@ import torch
 from torch import Tensor
 
 from . import _dlpack, _lib
+from ._common import copy_back as _copy_back
+from ._common import rank_error as _rank_error
+from ._common import required as _required
+from ._common import stream_of as _stream_of
+from ._common import unit_stride_outputs as _unit_stride_outputs
+from ._common import use_direct as _use_direct
 
 __all__ = [
     "compute_dqktheta",
@@ -50,13 +56,7 @@ __all__ = [
 
 _F = None  # the library's function table, loaded on first use
 _pack = _dlpack.pack
-_Tensor = torch.Tensor
 _f32 = torch.float32
-_is_compiling = torch.compiler.is_compiling
-_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
-# torch's own raw-stream accessor (what Inductor-generated code uses): returns the cudaStream_t as
-# an int without creating a torch.cuda.Stream object. Public fallback if a build lacks it.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _fns():
@@ -64,20 +64,6 @@ def _fns():
     if _F is None:
         _F = _lib.load()
     return _F
-
-
-def _stream_of(dev_index: int) -> int:
-    if _raw_stream is not None:
-        return _raw_stream(dev_index)
-    return torch.cuda.current_stream(dev_index).cuda_stream
-
-
-def _use_direct(t: Tensor) -> bool:
-    """True when the eager fast path (direct library call) may be taken for a call whose first
-    tensor argument is `t` (see the module docstring)."""
-    if _is_compiling() or type(t) is not _Tensor or t.is_meta:
-        return False
-    return _dispatch_stack_len is None or _dispatch_stack_len() == 0
 
 
 def _cu_arg(cu_seqlens, Cu_Seqlens):
@@ -88,11 +74,6 @@ def _cu_arg(cu_seqlens, Cu_Seqlens):
     return Cu_Seqlens
 
 
-def _rank_error(name: str, t: Tensor, expected: str) -> ValueError:
-    return ValueError(f"{name}: expected rank {len(expected.split(','))} [{expected}], "
-                      f"got shape {list(t.shape)}")
-
-
 # ------------------------------------------------------------------------- compute_dqktheta
 
 _DQK_NAMES = ("q", "k", "scale", "gamma", "q_bias", "k_bias", "angles", "dq_in", "dk_in", "dqk",
@@ -100,11 +81,6 @@ _DQK_NAMES = ("q", "k", "scale", "gamma", "q_bias", "k_bias", "angles", "dq_in",
               "dq", "dk", "dq_bias", "dk_bias", "dangles", "dscale", "dgamma")
 _DQK_NIN = 12
 _ws_cache = {}
-
-
-def _required(name, t):
-    if t is None:
-        raise ValueError(f"{name} is required but was None")
 
 
 def _dqktheta_sizes(q, scale, angles):
@@ -384,22 +360,3 @@ def compute_ddt_dtrap_dinput_states_out(dscale, dgamma, dt, trap, d_issm_state=N
                 False)
     _copy_back(outs, work)
     return outs
-
-
-# ------------------------------------------------------------------------------- helpers
-
-def _unit_stride_outputs(outs):
-    """Outputs as handed to the library: a caller's output whose last dimension is not
-    unit-stride is replaced by a contiguous temporary of the same shape/dtype/device."""
-    work = []
-    for o in outs:
-        if o is not None and o.dim() and o.stride(-1) != 1 and o.shape[-1] != 1:
-            o = torch.empty(o.shape, dtype=o.dtype, device=o.device)
-        work.append(o)
-    return tuple(work)
-
-
-def _copy_back(outs, work):
-    for o, w in zip(outs, work):
-        if o is not w:
-            o.copy_(w)
