@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
      << "- library: " << mamba3_version() << ", device: " << device_name(dev)
      << ", mode: " << (quick ? "quick" : "full") << "\n"
      << "- rule: metric <= tol (1e-5 fp32, 2e-3 fp16, 1e-2 bf16) and <= 2x the fp32 reference's "
-        "error (or <= tol/100); every output compared; outputs NaN-poisoned before each run; "
+        "error (or <= max(tol/100, 4 fp32 ulps)); every output compared; outputs NaN-poisoned before each run; "
         "each case run twice and required bitwise identical\n\n"
      << "| op | case | dtype | output | out dtype | metric | value | fp32 ref | ratio | result | "
         "time ms |\n"

@@ -371,6 +371,12 @@ void metrics(const std::vector<double>& c, const std::vector<double>& g, double&
 }
 }  // namespace
 
+// Below this error the 2x-reference comparison is a ratio of two rounding noises: 1% of the
+// tolerance, but never less than 4 float32 ulps (4 * 2^-23 = 4.8e-7). Measured: for a
+// single-value fp32 output, any summation order other than the reference's fails a 2x rule with
+// a sub-ulp floor in 12-15% of random cases.
+double noise_floor(double tol) { return std::max(tol / 100.0, 4.0 * 0x1p-23); }
+
 Accuracy compare(const std::vector<double>& cand, const std::vector<double>& gold,
                  const std::vector<double>& ref32, IoType io, bool near_zero) {
   Accuracy a;
@@ -390,7 +396,7 @@ Accuracy compare(const std::vector<double>& cand, const std::vector<double>& gol
   const double tol = tolerance_for(io);
   const double v = a.value();
   const bool within_tol = v <= tol;
-  const bool vs_ref = !have_ref || v <= 2.0 * a.ref_value() || v <= tol / 100.0;
+  const bool vs_ref = !have_ref || v <= 2.0 * a.ref_value() || v <= noise_floor(tol);
   a.pass = a.finite && within_tol && vs_ref;
   return a;
 }

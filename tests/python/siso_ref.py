@@ -241,6 +241,12 @@ def max_rel(cand, gold) -> float:
     return num / den
 
 
+def noise_floor(tol):
+    """Errors at or below this are rounding noise (same definition as golden/src/host.cpp):
+    1% of the tolerance, never less than 4 float32 ulps (4 * 2**-23 = 4.8e-7)."""
+    return max(tol / 100, 4 * 2.0 ** -23)
+
+
 def check_outputs(names, cand, gold, ref32, tol, near_zero=()):
     """Compares every output; returns a list of failure lines (empty when all pass)."""
     failures = []
@@ -259,7 +265,7 @@ def check_outputs(names, cand, gold, ref32, tol, near_zero=()):
             continue
         metric = max_rel if name in near_zero else rel_l2
         err, err32 = metric(c, g), metric(r, g)
-        ok = err <= tol and (err <= 2 * err32 or err <= tol / 100)
+        ok = err <= tol and (err <= 2 * err32 or err <= noise_floor(tol))
         if not ok:
             failures.append(f"{name}: {metric.__name__}={err:.3e} (fp32 reference {err32:.3e}, "
                             f"tol {tol:.0e})")

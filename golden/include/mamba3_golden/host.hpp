@@ -67,10 +67,12 @@ struct Accuracy {
 
 // Tolerance for an output computed from inputs of I/O dtype `t`: 1e-5 fp32, 2e-3 fp16, 1e-2 bf16.
 double tolerance_for(IoType t);
+// Errors at or below this are rounding noise: max(tol/100, 4 float32 ulps = 4.8e-7).
+double noise_floor(double tol);
 // Compare a candidate with the float64 golden and the float32 reference (the same golden run in
 // float on the same rounded inputs, its outputs rounded to the candidate's output dtype). Pass
-// when the metric is <= tolerance_for(io) AND (<= 2 * the reference's error OR <= tolerance/100,
-// i.e. a few float32 ulps, where the reference happens to be nearly exact); NaN/Inf never pass.
+// when the metric is <= tolerance_for(io) AND (<= 2 * the reference's error OR <= noise_floor(tol),
+// where the reference happens to be nearly exact); NaN/Inf never pass.
 Accuracy compare(const std::vector<double>& cand, const std::vector<double>& gold,
                  const std::vector<double>& ref32, IoType io, bool near_zero = false);
 
