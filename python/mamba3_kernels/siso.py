@@ -102,15 +102,15 @@ def _dqktheta_alloc(q, scale, gamma, angles, dq_in):
     if gamma is None or dq_in is None:
         _required("gamma", gamma)
         _required("dq_in", dq_in)
-    dev = q.device
+    # new_empty: cheaper than torch.empty(..., device=) on the eager hot path
     io = dq_in.dtype
-    return (torch.empty((B, S, G, N), dtype=io, device=dev),
-            torch.empty((B, S, G, N), dtype=io, device=dev),
-            torch.empty((H, N), dtype=_f32, device=dev),
-            torch.empty((H, N), dtype=_f32, device=dev),
-            torch.empty((B, S, H, A), dtype=angles.dtype, device=dev),
-            torch.empty((B, H, S), dtype=scale.dtype, device=dev),
-            torch.empty((B, H, S), dtype=gamma.dtype, device=dev))
+    return (q.new_empty((B, S, G, N), dtype=io),
+            q.new_empty((B, S, G, N), dtype=io),
+            q.new_empty((H, N), dtype=_f32),
+            q.new_empty((H, N), dtype=_f32),
+            q.new_empty((B, S, H, A), dtype=angles.dtype),
+            q.new_empty((B, H, S), dtype=scale.dtype),
+            q.new_empty((B, H, S), dtype=gamma.dtype))
 
 
 def _dqktheta_workspace(F, q, scale, chunk_size, cu_seqlens):
@@ -145,7 +145,7 @@ def _dqktheta_launch(q, k, scale, gamma, q_bias, k_bias, angles, dq_in, dk_in, d
     else:
         stream = None
     ws_bytes = _dqktheta_workspace(F, q, scale, chunk_size, cu_seqlens)
-    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device) if ws_bytes else None
+    ws = q.new_empty(ws_bytes, dtype=torch.uint8) if ws_bytes else None
     buf, a, kept = _pack((q, k, scale, gamma, q_bias, k_bias, angles, dq_in, dk_in, dqk,
                           d_ok_state, cu_seqlens) + outs, _DQK_NAMES, _DQK_NIN, fresh)
     rc = F.dqktheta(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10],
@@ -242,16 +242,15 @@ def _ddt_sizes(dscale, d_issm_state):
 
 def _ddt_alloc(dscale, d_issm_state):
     _ddt_sizes(dscale, d_issm_state)
-    dev = dscale.device
     shape = dscale.shape
-    ddt = torch.empty(shape, dtype=_f32, device=dev)
-    dtrap = torch.empty(shape, dtype=_f32, device=dev)
+    ddt = dscale.new_empty(shape, dtype=_f32)
+    dtrap = dscale.new_empty(shape, dtype=_f32)
     if d_issm_state is None:
         return ddt, dtrap, None, None, None
     nseq, H, P, N = d_issm_state.shape
-    return (ddt, dtrap, torch.empty((nseq, H, P, N), dtype=d_issm_state.dtype, device=dev),
-            torch.empty((nseq, H, N), dtype=_f32, device=dev),
-            torch.empty((nseq, H, P), dtype=_f32, device=dev))
+    return (ddt, dtrap, dscale.new_empty((nseq, H, P, N), dtype=d_issm_state.dtype),
+            dscale.new_empty((nseq, H, N), dtype=_f32),
+            dscale.new_empty((nseq, H, P), dtype=_f32))
 
 
 def _ddt_launch(dscale, dgamma, dt, trap, d_issm_state, input_k_state, input_v_state, cu_seqlens,
