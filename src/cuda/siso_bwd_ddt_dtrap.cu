@@ -1,15 +1,18 @@
 // CUDA backend of compute_ddt_dtrap_dinput_states (seed 000).
 //
-// Two kernels on the caller's stream:
-// * the element kernel: one thread per (b, h, t) of [B,H,S] computes ddt/dtrap from dscale,
-//   dgamma, dt, trap and dscale[t-1] of the same sequence (0 at a sequence start; the neighbour is
-//   read by the thread that owns t-1 as well, so it comes from L1/L2, not HBM);
-// * the state kernel (only with input states): one block per (sequence, head) copies
-//   d_issm_state, computes d_input_v/d_input_k and the scalar's gradient dsc, and writes ddt/dtrap
-//   at the sequence's first position itself (the element kernel skips those positions). Every
-//   output element thus has exactly one writer and every reduction a fixed order: deterministic,
-//   no atomics, no workspace. (Two kernels because the state part needs many more registers than
-//   the memory-bound element part, whose occupancy they would otherwise limit.)
+// One launch on the caller's stream; with input states its blocks do two independent jobs (so
+// that they overlap):
+// * state blocks (only with input states; the first nseq*H blocks): one per (sequence, head),
+//   copies d_issm_state, computes d_input_v/d_input_k and the scalar's gradient dsc, and writes
+//   ddt/dtrap at the sequence's first position itself. A warp issues the loads of all its rows
+//   before using any, so a block pays one memory latency, not one per row;
+// * element blocks: ddt/dtrap from dscale, dgamma, dt, trap and dscale[t-1] of the same sequence
+//   (0 at a sequence start; the neighbour is read by the thread that owns t-1 as well, so it
+//   comes from L1/L2, not HBM). With float32 rows that are contiguous along S and 16-byte
+//   aligned, a thread takes 4 positions with vector loads; otherwise one position each. They
+//   skip the positions the state blocks write.
+// Every output element thus has exactly one writer and every reduction a fixed order:
+// deterministic, no atomics, no workspace.
 // cu_seqlens values are clamped wherever they index memory.
 #include <algorithm>
 #include <cstring>
@@ -45,6 +48,8 @@ struct DdtArgs {
   float* ovs;  // d_input_v_state
   int64_t ovs_sq, ovs_sh, ovs_sp;
   CuSeqlens cu;
+  int64_t state_blocks;  // leading blocks that do the state job
+  int vec4;              // element job: 4 positions per thread (see the file comment)
 };
 
 __device__ __forceinline__ float sigmoid_acc(float x) { return 1.f / (1.f + expf(-x)); }
@@ -53,9 +58,74 @@ __device__ __forceinline__ float ld(const unsigned char* base, int dt, int64_t o
   return load_rt(base + off * dt_size(dt), dt);
 }
 
-__global__ void __launch_bounds__(kThreads) ddt_elem_kernel(const __grid_constant__ DdtArgs a) {
+// ddt/dtrap at one position from its inputs and dscale[t-1] (`prev`, 0 at a sequence start).
+__device__ __forceinline__ void ddt_point(float ds, float dg, float dtv, float tr, float prev,
+                                          float* ddt, float* dtrap) {
+  const float lam = sigmoid_acc(tr);
+  const float cur = dg + ds;
+  *ddt = cur * lam + prev * (1.f - lam);
+  *dtrap = (cur - prev) * dtv * lam * (1.f - lam);
+}
+
+// Element job, 4 positions per thread (float32, unit S stride, S % 4 == 0, 16-byte aligned rows).
+__device__ __forceinline__ void ddt_elem_vec4(const DdtArgs& a, int64_t blk) {
+  const int64_t e = blk * kThreads + threadIdx.x;  // index of a group of 4 positions
+  const int64_t S4 = a.S >> 2;
+  if (e >= a.B * a.H * S4) return;
+  int64_t t, h, b;
+  if (a.B * a.H * S4 <= 0x7fffffff) {
+    const uint32_t e32 = static_cast<uint32_t>(e), s32 = static_cast<uint32_t>(S4);
+    const uint32_t H32 = static_cast<uint32_t>(a.H), bh = e32 / s32;
+    t = static_cast<int64_t>(e32 - bh * s32) * 4;
+    b = bh / H32;
+    h = bh - static_cast<uint32_t>(b) * H32;
+  } else {
+    const int64_t bh = e / S4;
+    t = (e - bh * S4) * 4;
+    b = bh / a.H;
+    h = bh - b * a.H;
+  }
+  const float* ds = reinterpret_cast<const float*>(a.ds) + b * a.ds_sb + h * a.ds_sh + t;
+  const float4 vds = __ldg(reinterpret_cast<const float4*>(ds));
+  const float4 vdg = __ldg(reinterpret_cast<const float4*>(
+      reinterpret_cast<const float*>(a.dg) + b * a.dg_sb + h * a.dg_sh + t));
+  const float4 vdt = __ldg(reinterpret_cast<const float4*>(
+      reinterpret_cast<const float*>(a.dt) + b * a.dt_sb + h * a.dt_sh + t));
+  const float4 vtr = __ldg(reinterpret_cast<const float4*>(
+      reinterpret_cast<const float*>(a.tr) + b * a.tr_sb + h * a.tr_sh + t));
+  const float p0 = t > 0 ? __ldg(ds - 1) : 0.f;
+  const float dsv[4] = {vds.x, vds.y, vds.z, vds.w}, dgv[4] = {vdg.x, vdg.y, vdg.z, vdg.w};
+  const float dtv[4] = {vdt.x, vdt.y, vdt.z, vdt.w}, trv[4] = {vtr.x, vtr.y, vtr.z, vtr.w};
+  const float pv[4] = {p0, vds.x, vds.y, vds.z};
+  float o1[4], o2[4];
+  unsigned skip = 0;  // bit j: position t+j starts a sequence and a state block writes it
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t tj = t + j;
+    bool start = tj == 0;
+    if (a.varlen && !start) start = a.cu.at(a.cu.seq_of(tj)) == tj;
+    if (start && a.has_state) skip |= 1u << j;
+    ddt_point(dsv[j], dgv[j], dtv[j], trv[j], start ? 0.f : pv[j], &o1[j], &o2[j]);
+  }
+  float* pd = a.ddt + b * a.ddt_sb + h * a.ddt_sh + t;
+  float* pt = a.dtrap + b * a.dtr_sb + h * a.dtr_sh + t;
+  if (skip == 0) {
+    *reinterpret_cast<float4*>(pd) = make_float4(o1[0], o1[1], o1[2], o1[3]);
+    *reinterpret_cast<float4*>(pt) = make_float4(o2[0], o2[1], o2[2], o2[3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if ((skip >> j) & 1u) continue;
+      pd[j] = o1[j];
+      pt[j] = o2[j];
+    }
+  }
+}
+
+// Element job, one position per thread (any dtypes and strides).
+__device__ __forceinline__ void ddt_elem_one(const DdtArgs& a, int64_t blk) {
   {
-    const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    const int64_t e = blk * kThreads + threadIdx.x;
     const int64_t total = a.B * a.H * a.S;
     if (e >= total) return;
     int64_t t, h, b;
@@ -86,10 +156,10 @@ __global__ void __launch_bounds__(kThreads) ddt_elem_kernel(const __grid_constan
   }
 }
 
-// One block per (sequence i, head h).
-__global__ void __launch_bounds__(kThreads, 1) ddt_state_kernel(const __grid_constant__ DdtArgs a) {
+// State job of (sequence i, head h) = idx; column sums in registers for N <= 32*U.
+template <int U>
+__device__ __forceinline__ void ddt_state_block(const DdtArgs& a, int64_t idx) {
   __shared__ float part[kThreads / 32];
-  const int64_t idx = blockIdx.x;
   const int64_t i = idx / a.H, h = idx % a.H;
   const int64_t b = a.varlen ? 0 : i;
   int64_t t0 = 0;
@@ -112,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) ddt_state_kernel(const __grid_con
   // warp's part of the column sums sum_p d[p,n] v[p] (lane-owned columns n = lane + 32u, in
   // registers): d_issm is read once. Otherwise the columns are summed in a second,
   // column-parallel pass.
-  constexpr int kMaxU = 8;
+  constexpr int kMaxU = U;
   __shared__ float colpart[kThreads / 32][32 * kMaxU];
   const bool regcols = a.N <= 32 * kMaxU && a.st_sn == 1 && a.ost_sn == 1;
   float kr[kMaxU], ca[kMaxU];
@@ -123,51 +193,83 @@ __global__ void __launch_bounds__(kThreads, 1) ddt_state_kernel(const __grid_con
     ca[u] = 0.f;
   }
   float dsc_w = 0.f;
-  for (int64_t p = warp; p < a.P; p += kThreads / 32) {
-    const float vp = ld(vv, a.t_vs, p * a.vs_sp);
-    float acc = 0.f;
-    auto elem = [&](int64_t n) {  // copies d[p,n] and returns it as float
-      const unsigned char* src = d + (p * a.st_sp + n * a.st_sn) * stsz;
-      unsigned char* dst = od + (p * a.ost_sp + n * a.ost_sn) * stsz;
-      if (stsz == 4) {
-        const uint32_t w = __ldg(reinterpret_cast<const unsigned int*>(src));
-        *reinterpret_cast<unsigned int*>(dst) = w;
-        return __uint_as_float(w);
-      }
-      const uint32_t w = __ldg(reinterpret_cast<const unsigned short*>(src));
-      *reinterpret_cast<unsigned short*>(dst) = static_cast<unsigned short>(w);
-      return bits_to_float(w, a.t_st);
-    };
-    if (regcols) {
-      const unsigned char* drow = d + p * a.st_sp * stsz;
-      unsigned char* orow = od + p * a.ost_sp * stsz;
+  if (regcols) {
+    // Batches of kR rows per warp: every load of a batch is issued before any is used.
+    constexpr int kR = U >= 8 ? 2 : (U >= 4 ? 4 : 8), kW = kThreads / 32;
+    const unsigned char* const drow0 = d;
+    for (int64_t pb = warp; pb < a.P; pb += kR * kW) {
+      uint32_t w[kR][kMaxU];
+      float vpr[kR];
 #pragma unroll
-      for (int u = 0; u < kMaxU; ++u) {
-        const int n = lane + 32 * u;
-        if (n < a.N) {
-          float x;
-          if (stsz == 4) {
-            const uint32_t w = __ldg(reinterpret_cast<const unsigned int*>(drow + n * 4));
-            *reinterpret_cast<unsigned int*>(orow + n * 4) = w;
-            x = __uint_as_float(w);
-          } else {
-            const uint32_t w = __ldg(reinterpret_cast<const unsigned short*>(drow + n * 2));
-            *reinterpret_cast<unsigned short*>(orow + n * 2) = static_cast<unsigned short>(w);
-            x = bits_to_float(w, a.t_st);
-          }
-          acc = fmaf(x, kr[u], acc);
-          ca[u] = fmaf(x, vp, ca[u]);
+      for (int r = 0; r < kR; ++r) {
+        const int64_t p = pb + r * kW;
+        vpr[r] = p < a.P ? ld(vv, a.t_vs, p * a.vs_sp) : 0.f;
+        const unsigned char* drow = drow0 + p * a.st_sp * stsz;
+#pragma unroll
+        for (int u = 0; u < kMaxU; ++u) {
+          const int n = lane + 32 * u;
+          w[r][u] = 0u;
+          if (p < a.P && n < a.N)
+            w[r][u] = stsz == 4 ? __ldg(reinterpret_cast<const unsigned int*>(drow + n * 4))
+                                : __ldg(reinterpret_cast<const unsigned short*>(drow + n * 2));
         }
       }
-    } else {
-      for (int64_t n = lane; n < a.N; n += 32)
-        acc = fmaf(elem(n), ld(kv, a.t_ks, n * a.ks_sn), acc);
-    }
 #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-    if (lane == 0) {
-      a.ovs[i * a.ovs_sq + h * a.ovs_sh + p * a.ovs_sp] = scalar * acc;
-      dsc_w = fmaf(vp, acc, dsc_w);
+      for (int r = 0; r < kR; ++r) {
+        const int64_t p = pb + r * kW;
+        if (p >= a.P) break;
+        unsigned char* orow = od + p * a.ost_sp * stsz;
+        float acc = 0.f;
+#pragma unroll
+        for (int u = 0; u < kMaxU; ++u) {
+          const int n = lane + 32 * u;
+          if (n < a.N) {
+            float x;
+            if (stsz == 4) {
+              *reinterpret_cast<unsigned int*>(orow + n * 4) = w[r][u];
+              x = __uint_as_float(w[r][u]);
+            } else {
+              *reinterpret_cast<unsigned short*>(orow + n * 2) =
+                  static_cast<unsigned short>(w[r][u]);
+              x = bits_to_float(w[r][u], a.t_st);
+            }
+            acc = fmaf(x, kr[u], acc);
+            ca[u] = fmaf(x, vpr[r], ca[u]);
+          }
+        }
+#pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        if (lane == 0) {
+          a.ovs[i * a.ovs_sq + h * a.ovs_sh + p * a.ovs_sp] = scalar * acc;
+          dsc_w = fmaf(vpr[r], acc, dsc_w);
+        }
+      }
+    }
+  } else {
+    for (int64_t p = warp; p < a.P; p += kThreads / 32) {
+      const float vp = ld(vv, a.t_vs, p * a.vs_sp);
+      float acc = 0.f;
+      for (int64_t n = lane; n < a.N; n += 32) {
+        const unsigned char* src = d + (p * a.st_sp + n * a.st_sn) * stsz;
+        unsigned char* dst = od + (p * a.ost_sp + n * a.ost_sn) * stsz;
+        float x;
+        if (stsz == 4) {
+          const uint32_t wv = __ldg(reinterpret_cast<const unsigned int*>(src));
+          *reinterpret_cast<unsigned int*>(dst) = wv;
+          x = __uint_as_float(wv);
+        } else {
+          const uint32_t wv = __ldg(reinterpret_cast<const unsigned short*>(src));
+          *reinterpret_cast<unsigned short*>(dst) = static_cast<unsigned short>(wv);
+          x = bits_to_float(wv, a.t_st);
+        }
+        acc = fmaf(x, ld(kv, a.t_ks, n * a.ks_sn), acc);
+      }
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+      if (lane == 0) {
+        a.ovs[i * a.ovs_sq + h * a.ovs_sh + p * a.ovs_sp] = scalar * acc;
+        dsc_w = fmaf(vp, acc, dsc_w);
+      }
     }
   }
   if (lane == 0) part[warp] = dsc_w;
@@ -203,6 +305,28 @@ __global__ void __launch_bounds__(kThreads, 1) ddt_state_kernel(const __grid_con
     a.ddt[b * a.ddt_sb + h * a.ddt_sh + t0 * a.ddt_ss] = cur * lam0 + dsc * (1.f - lam0);
     a.dtrap[b * a.dtr_sb + h * a.dtr_sh + t0 * a.dtr_ss] = cur * dt0 * l1 + dsc * (-dt0) * l1;
   }
+}
+
+// U: see ddt_state_block (the state job's register arrays scale with it, so the launch picks the
+// smallest U that fits N and the element job keeps a high occupancy).
+template <int U>
+__global__ void __launch_bounds__(kThreads, 2) ddt_kernel(const __grid_constant__ DdtArgs a) {
+  const int64_t blk = blockIdx.x;
+  if (blk < a.state_blocks) {
+    ddt_state_block<U>(a, blk);
+  } else if (a.vec4) {
+    ddt_elem_vec4(a, blk - a.state_blocks);
+  } else {
+    ddt_elem_one(a, blk - a.state_blocks);
+  }
+}
+
+// Without input states: the element job alone, at a higher occupancy.
+__global__ void __launch_bounds__(kThreads, 4) ddt_elem_kernel(const __grid_constant__ DdtArgs a) {
+  if (a.vec4)
+    ddt_elem_vec4(a, blockIdx.x);
+  else
+    ddt_elem_one(a, blockIdx.x);
 }
 
 }  // namespace
@@ -258,17 +382,32 @@ void compute_ddt_dtrap_dinput_states(const DdtDtrapParams& p, void* stream) {
   }
   a.cu = make_cu_seqlens(p.cu_seqlens);
 
-  const int64_t total = p.B * p.H * p.S;
-  const int64_t blocks = (total + kThreads - 1) / kThreads;
-  MAMBA3_CHECK_ARG(blocks <= 0x7fffffff, "dscale: B*H*S=", total, " is too large for one launch");
-  ddt_elem_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);
-  check_launch("compute_ddt_dtrap_dinput_states: element kernel launch");
-  if (p.has_state) {
-    const int64_t sblocks = p.nseq * p.H;
-    MAMBA3_CHECK_ARG(sblocks <= 0x7fffffff, "d_issm_state: nseq*H=", sblocks,
-                     " is too large for one launch");
-    ddt_state_kernel<<<static_cast<unsigned>(sblocks), kThreads, 0, st>>>(a);
-    check_launch("compute_ddt_dtrap_dinput_states: state kernel launch");
+  // Element job: 4 positions per thread when every [B,H,S] tensor is float32, contiguous along
+  // S with S % 4 == 0 and 16-byte aligned rows.
+  bool vec4 = p.S % 4 == 0;
+  for (const TensorView* v : {&p.dscale, &p.dgamma, &p.dt, &p.trap, &p.ddt, &p.dtrap}) {
+    vec4 = vec4 && v->dtype == DType::F32 && v->strides[2] == 1 && aligned_to(v->data, 16);
+    for (int d = 0; d < 2; ++d) vec4 = vec4 && (v->shape[d] <= 1 || v->strides[d] % 4 == 0);
+  }
+  a.vec4 = vec4;
+  const int64_t total = vec4 ? p.B * p.H * (p.S / 4) : p.B * p.H * p.S;
+  a.state_blocks = p.has_state ? p.nseq * p.H : 0;
+  const int64_t blocks = a.state_blocks + (total + kThreads - 1) / kThreads;
+  MAMBA3_CHECK_ARG(blocks <= 0x7fffffff, "dscale: B*H*S=", p.B * p.H * p.S, " and nseq*H=",
+                   a.state_blocks, " are too large for one launch");
+  if (blocks > 0) {
+    const int64_t U = p.has_state ? (p.N + 31) / 32 : 1;
+    if (!p.has_state)
+      ddt_elem_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);
+    else if (U <= 1)
+      ddt_kernel<1><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);
+    else if (U <= 2)
+      ddt_kernel<2><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);
+    else if (U <= 4)
+      ddt_kernel<4><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);
+    else
+      ddt_kernel<8><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);
+    check_launch("compute_ddt_dtrap_dinput_states: kernel launch");
   }
 }
 

@@ -1,6 +1,10 @@
 // CUDA backend of compute_dqktheta (seed 000): gradients through the q/k biases, the interleaved
 // rotary embedding and the angles.
 //
+// Two kernels write the same outputs and the same per-CTA bias partials: the lean kernel (see its
+// comment further down) takes the common layouts and dtypes; the pipelined kernel described here
+// takes everything else.
+//
 // Design (memory-bound: ~6 bytes moved per FMA-pair of work, so the goal is one pass at HBM speed):
 // * One persistent 16-warp CTA per SM. A CTA owns a contiguous range of rows (flattened (b, s)) of
 //   one q/k head g and walks it in row blocks. Its warps are split WH x WR: WH warps take the
@@ -40,7 +44,8 @@ namespace mamba3::cuda {
 namespace {
 
 constexpr int kWarpsMax = 16;        // warps per CTA (WH * WR <= 16)
-constexpr int kTargetCtasPerSm = 1;  // grid = 1 CTA per SM (also sizes the workspace)
+constexpr int kTargetCtasPerSm = 1;  // grid = 1 CTA per SM
+constexpr int kLeanCtasPerSm = 2;    // the lean kernel's most CTAs per SM (sizes the workspace)
 constexpr int kLanesPerElem = 8;     // elements per lane (VEC * J)
 
 struct DqkArgs {
@@ -862,7 +867,19 @@ __global__ void __launch_bounds__(256)
   if (n < N) {
     const float* p = ws + (static_cast<size_t>(g) * ctas_per_g * HG + head) * 2 * N + qk * N + n;
     const size_t step = static_cast<size_t>(HG) * 2 * N;
-    for (int c = warp; c < ctas_per_g; c += 8) s += p[c * step];
+    // Batches of kB partials: all loads of a batch are issued before they are added (in order),
+    // so the warp waits on memory once per batch, not once per partial.
+    constexpr int kB = 16;
+    for (int c0 = warp; c0 < ctas_per_g; c0 += 8 * kB) {
+      float v[kB];
+#pragma unroll
+      for (int j = 0; j < kB; ++j) {
+        const int c = c0 + 8 * j;
+        v[j] = c < ctas_per_g ? __ldcs(p + c * step) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kB; ++j) s += v[j];
+    }
   }
   part[warp][lane] = s;
   __syncthreads();
@@ -874,6 +891,341 @@ __global__ void __launch_bounds__(256)
       dqb[h * dqb_sh + n * dqb_sn] = t;
     else
       dkb[h * dkb_sh + n * dkb_sn] = t;
+  }
+}
+
+// ------------------------------------------------------------------ the lean kernel
+//
+// The common case (all of q, k, dq_in, dk_in, dq, dk of one dtype with vector-aligned contiguous
+// rows; angles and the row scalars float32; every offset below 2^31) runs this simpler kernel,
+// which spends far fewer instructions per row than the pipelined one above (the op is
+// instruction bound there, not memory bound):
+// * A lane owns VE contiguous elements of a row (VE = 4, or 8 for N = 256), so one row of N
+//   elements spans LPR = N/VE lanes and a warp holds RPW = 32/LPR rows. Loads are plain vector
+//   loads straight into registers.
+// * A CTA of W = WH x WR warps walks blocks of PB = WR*RPW*T positions of one q/k head g. Warp
+//   (wh, wr) takes heads wh, wh+WH, ... of the group for its RPW*T positions: q/k are loaded once
+//   per block, dq/dk accumulate over the heads in registers and the WH warps' sums meet once per
+//   block in shared memory (fixed order). Per head, the T positions' loads are all issued before
+//   any is used, which keeps enough bytes in flight.
+// * Bias partials: summed over the T positions in registers, then added once per (block, head)
+//   into lane-private shared-memory accumulators (each address has one writer: deterministic); at
+//   the end each CTA writes one partial per head and bias_reduce_kernel sums them in fixed order.
+// * 16-bit dq_in/dk_in take the hardware sin/cos after reducing the angle to [-pi, pi] (abs error
+//   ~1e-6, far below the 16-bit tolerances); float32 dq_in keeps the precise sincosf.
+constexpr int kLeanWarps = 8;
+
+struct LeanArgs {
+  int rows, S, HG, A, WH, WR, PB, nblk;
+  const unsigned char *q, *k;
+  int q_sb, q_ss, q_sg;  // shared by q and k (checked on the host)
+  const unsigned char *dqi, *dki;
+  int gi_sb, gi_ss, gi_sh;  // shared by dq_in and dk_in
+  unsigned char *dq, *dk;
+  int go_sb, go_ss, go_sg;  // shared by dq and dk
+  const float* ang;
+  float* dang;
+  int an_sb, an_ss, an_sh;  // shared by angles and dangles
+  const float *sc, *ga, *dqk;
+  float *dsc, *dga;
+  int sm_sb, sm_sh, sm_ss;  // shared by scale, gamma, dqk, dscale, dgamma
+  const unsigned char *qb, *kb;
+  int t_qb, t_kb;
+  int64_t qb_sh, qb_sn, kb_sh, kb_sn;
+  const unsigned char* dok;
+  int t_dok;
+  int64_t dok_sq, dok_sh, dok_sn;
+  int has_dok, varlen;
+  CuSeqlens cu;
+  float* ws;
+};
+
+template <int N, int DT>
+struct LeanGeom {
+  static constexpr int LPR = N / 4 < 32 ? N / 4 : 32;  // lanes per row
+  static constexpr int VE = N / LPR;                   // elements per lane (4 or 8)
+  static constexpr int NP = VE / 2;                    // rotation pairs per lane
+  static constexpr int RPW = 32 / LPR;                 // rows per warp
+  // Positions per warp row per block: as many as the registers allow without spilling.
+  static constexpr int T = VE == 4 ? (DT == kBF16 ? 4 : 2) : (DT == kBF16 ? 2 : 1);
+};
+
+// Angle reduced to [-pi, pi] (two-constant Cody-Waite), then the hardware sin/cos.
+__device__ __forceinline__ void fast_sincos(float x, float* s, float* c) {
+  const float k = rintf(x * 0.159154943f);
+  const float r = fmaf(-k, 1.74845553e-7f, fmaf(-k, 6.28318548f, x));
+  __sincosf(r, s, c);
+}
+
+template <class Tg, int N>
+__global__ void __launch_bounds__(kLeanWarps * 32, 2)
+    dqk_lean_kernel(const __grid_constant__ LeanArgs a) {
+  using E = Elem<Tg>;
+  using Gm = LeanGeom<N, Elem<Tg>::kDt>;
+  constexpr int LPR = Gm::LPR, VE = Gm::VE, NP = Gm::NP, RPW = Gm::RPW, T = Gm::T;
+  constexpr int kSz = E::kSize;
+  constexpr int RBY = VE * kSz;              // bytes of a lane's run of a row
+  constexpr int PBY = RBY < 16 ? RBY : 16;   // bytes per vector access
+  constexpr int NW = RBY / 4;                // words per run
+  constexpr int C4 = VE / 4;                 // float4 pieces per run
+  constexpr bool kFastTrig = kSz == 2;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int WH = a.WH, HG = a.HG;
+  const int wh = warp % WH, wr = warp / WH;
+  const int rl = lane / LPR, col = lane % LPR;
+  const int n0 = col * VE;
+  const bool rot = col * NP < a.A;  // all of this lane's pairs rotate, or none (A % NP == 0)
+  const int g = blockIdx.y;
+  float* const bias_s = reinterpret_cast<float*>(smem);  // [HG][q|k][N]
+  float* const acc = bias_s + HG * 2 * N;                // [WR][HG][q|k][N]
+  float4* const red = reinterpret_cast<float4*>(acc + a.WR * HG * 2 * N);  // [W][T][2*C4][32]
+
+  for (int i = threadIdx.x; i < HG * 2 * N; i += blockDim.x) {
+    const int n = i % N, qk = (i / N) & 1;
+    const int64_t h = static_cast<int64_t>(g) * HG + i / (2 * N);
+    bias_s[i] = qk ? load_rt(a.kb + (h * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb)
+                   : load_rt(a.qb + (h * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
+  }
+  for (int i = threadIdx.x; i < a.WR * HG * 2 * N; i += blockDim.x) acc[i] = 0.f;
+  __syncthreads();
+
+  for (int blk = blockIdx.x; blk < a.nblk; blk += gridDim.x) {
+    // This lane's T positions: row offsets of the head-indexed tensors (without the head term).
+    int ogi[T], oan[T], osm[T], dseq[T];
+    bool val[T];
+    float qf[T][VE], kf[T][VE];
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const int row = blk * a.PB + (wr * T + t) * RPW + rl;
+      val[t] = row < a.rows;
+      const int r = val[t] ? row : 0;
+      const int b = static_cast<int>(static_cast<uint32_t>(r) / static_cast<uint32_t>(a.S));
+      const int s = r - b * a.S;
+      ogi[t] = b * a.gi_sb + s * a.gi_ss;
+      oan[t] = b * a.an_sb + s * a.an_ss;
+      osm[t] = b * a.sm_sb + s * a.sm_ss;
+      dseq[t] = -1;
+      if (a.has_dok && val[t]) {
+        if (!a.varlen) {
+          if (s == a.S - 1) dseq[t] = b;
+        } else {
+          const int i = a.cu.seq_of(s);
+          if (a.cu.at(i + 1) - 1 == s) dseq[t] = i;
+        }
+      }
+      uint32_t wq[NW], wk[NW];
+      const int oq = b * a.q_sb + s * a.q_ss + g * a.q_sg + n0;
+#pragma unroll
+      for (int p = 0; p < NW * 4 / PBY; ++p) {
+        if (val[t]) {
+          ld_global_words<PBY>(a.q + static_cast<int64_t>(oq) * kSz + p * PBY, wq + p * (PBY / 4));
+          ld_global_words<PBY>(a.k + static_cast<int64_t>(oq) * kSz + p * PBY, wk + p * (PBY / 4));
+        } else {
+#pragma unroll
+          for (int w = 0; w < PBY / 4; ++w) wq[p * (PBY / 4) + w] = wk[p * (PBY / 4) + w] = 0u;
+        }
+      }
+      E::template unpack<VE>(wq, qf[t]);
+      E::template unpack<VE>(wk, kf[t]);
+    }
+
+    for (int head = wh; head < HG; head += WH) {
+      const int h = g * HG + head;
+      // Issue every load of this head's T positions first.
+      uint32_t wdq[T][NW], wdk[T][NW], wan[T][NP];
+      float scv[T], gav[T], dqkv[T];
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const int og = ogi[t] + h * a.gi_sh + n0;
+        const int oa = oan[t] + h * a.an_sh + col * NP;
+        const int os = osm[t] + h * a.sm_sh;
+#pragma unroll
+        for (int p = 0; p < NW * 4 / PBY; ++p) {
+          if (val[t]) {
+            const int64_t ob = static_cast<int64_t>(og) * kSz + p * PBY;
+            ld_global_words<PBY>(a.dqi + ob, wdq[t] + p * (PBY / 4));
+            ld_global_words<PBY>(a.dki + ob, wdk[t] + p * (PBY / 4));
+          } else {
+#pragma unroll
+            for (int w = 0; w < PBY / 4; ++w)
+              wdq[t][p * (PBY / 4) + w] = wdk[t][p * (PBY / 4) + w] = 0u;
+          }
+        }
+        if (val[t] && rot) {
+          ld_global_words<NP * 4>(a.ang + oa, wan[t]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < NP; ++i) wan[t][i] = 0u;
+        }
+        scv[t] = val[t] ? __ldg(a.sc + os) : 0.f;
+        gav[t] = val[t] ? __ldg(a.ga + os) : 0.f;
+        dqkv[t] = val[t] ? __ldg(a.dqk + os) : 0.f;
+      }
+      float bq[VE], bk[VE], sq[VE], sk[VE];
+      {
+        const float* sb = bias_s + head * 2 * N + n0;
+#pragma unroll
+        for (int c = 0; c < C4; ++c) {
+          const float4 x = *reinterpret_cast<const float4*>(sb + 4 * c);
+          const float4 y = *reinterpret_cast<const float4*>(sb + N + 4 * c);
+          bq[4 * c] = x.x, bq[4 * c + 1] = x.y, bq[4 * c + 2] = x.z, bq[4 * c + 3] = x.w;
+          bk[4 * c] = y.x, bk[4 * c + 1] = y.y, bk[4 * c + 2] = y.z, bk[4 * c + 3] = y.w;
+        }
+#pragma unroll
+        for (int e = 0; e < VE; ++e) sq[e] = sk[e] = 0.f;
+      }
+
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        float x[VE], y[VE];
+        E::template unpack<VE>(wdq[t], x);
+        E::template unpack<VE>(wdk[t], y);
+        const float scl = scv[t], gd = dqkv[t] * gav[t];
+        float dsc = 0.f, qkd = 0.f;
+        float dqp[VE], dkp[VE], dan[NP], sn[NP], cs[NP];
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          const float th = __uint_as_float(wan[t][i]);
+          if constexpr (kFastTrig) {
+            fast_sincos(th, &sn[i], &cs[i]);
+          } else {
+            sincosf(th, &sn[i], &cs[i]);
+          }
+          // Lanes past 2A do not rotate (branch-free: the warp runs one path).
+          sn[i] = rot ? sn[i] : 0.f;
+          cs[i] = rot ? cs[i] : 1.f;
+          const float qb0 = qf[t][2 * i] + bq[2 * i], qb1 = qf[t][2 * i + 1] + bq[2 * i + 1];
+          const float kb0 = kf[t][2 * i] + bk[2 * i], kb1 = kf[t][2 * i + 1] + bk[2 * i + 1];
+          const float x0 = x[2 * i], x1 = x[2 * i + 1], y0 = y[2 * i], y1 = y[2 * i + 1];
+          const float dqr0 = fmaf(x0, cs[i], x1 * sn[i]), dqr1 = fmaf(x1, cs[i], -(x0 * sn[i]));
+          const float dkr0 = fmaf(y0, cs[i], y1 * sn[i]), dkr1 = fmaf(y1, cs[i], -(y0 * sn[i]));
+          dsc = fmaf(dkr0, kb0, fmaf(dkr1, kb1, dsc));
+          qkd = fmaf(qb0, kb0, fmaf(qb1, kb1, qkd));
+          const float k0 = scl * dkr0, k1 = scl * dkr1;
+          dqp[2 * i] = fmaf(gd, kb0, dqr0);
+          dqp[2 * i + 1] = fmaf(gd, kb1, dqr1);
+          dkp[2 * i] = fmaf(gd, qb0, k0);
+          dkp[2 * i + 1] = fmaf(gd, qb1, k1);
+          dan[i] = fmaf(qb0, dqr1, -(qb1 * dqr0)) + fmaf(kb0, k1, -(kb1 * k0));
+        }
+        // d_ok_state enters dk (and so dk_bias and dangles) at a sequence's last position.
+        if (dseq[t] >= 0) {
+          const unsigned char* po =
+              a.dok + (static_cast<int64_t>(dseq[t]) * a.dok_sq + h * a.dok_sh) * dt_size(a.t_dok);
+#pragma unroll
+          for (int i = 0; i < NP; ++i) {
+            const float o0 = load_rt(po + (n0 + 2 * i) * a.dok_sn * dt_size(a.t_dok), a.t_dok);
+            const float o1 = load_rt(po + (n0 + 2 * i + 1) * a.dok_sn * dt_size(a.t_dok), a.t_dok);
+            const float or0 = fmaf(o0, cs[i], o1 * sn[i]), or1 = fmaf(o1, cs[i], -(o0 * sn[i]));
+            const float kb0 = kf[t][2 * i] + bk[2 * i], kb1 = kf[t][2 * i + 1] + bk[2 * i + 1];
+            if (rot) dan[i] += fmaf(kb0, or1, -(kb1 * or0));
+            dkp[2 * i] += or0;
+            dkp[2 * i + 1] += or1;
+          }
+        }
+#pragma unroll
+        for (int m = 1; m < LPR; m <<= 1) {
+          dsc += __shfl_xor_sync(0xffffffffu, dsc, m);
+          qkd += __shfl_xor_sync(0xffffffffu, qkd, m);
+        }
+        const int os = osm[t] + h * a.sm_sh;
+        if (col == 0 && val[t]) {
+          a.dsc[os] = dsc;
+          a.dga[os] = dqkv[t] * qkd;
+        }
+        if (rot && val[t]) {
+          uint32_t w[NP];
+#pragma unroll
+          for (int i = 0; i < NP; ++i) w[i] = __float_as_uint(dan[i]);
+          st_global_words<NP * 4>(a.dang + oan[t] + h * a.an_sh + col * NP, w);
+        }
+#pragma unroll
+        for (int e = 0; e < VE; ++e) {
+          sq[e] += dqp[e];
+          sk[e] += dkp[e];
+        }
+        // dq/dk summed over this warp's heads in its lane-private shared-memory slots
+        // (registers are the limit here).
+        float4* const rq = red + ((warp * T + t) * 2 * C4) * 32 + lane;
+#pragma unroll
+        for (int c = 0; c < C4; ++c) {
+          float4 u = make_float4(dqp[4 * c], dqp[4 * c + 1], dqp[4 * c + 2], dqp[4 * c + 3]);
+          float4 v = make_float4(dkp[4 * c], dkp[4 * c + 1], dkp[4 * c + 2], dkp[4 * c + 3]);
+          if (head != wh) {
+            const float4 u0 = rq[c * 32], v0 = rq[(C4 + c) * 32];
+            u.x += u0.x, u.y += u0.y, u.z += u0.z, u.w += u0.w;
+            v.x += v0.x, v.y += v0.y, v.z += v0.z, v.w += v0.w;
+          }
+          rq[c * 32] = u;
+          rq[(C4 + c) * 32] = v;
+        }
+      }
+      // Bias partial of this head: sum the warp's rows (fixed butterfly), then one lane per
+      // column adds it into this warp-row's accumulators.
+#pragma unroll
+      for (int m = LPR; m < 32; m <<= 1)
+#pragma unroll
+        for (int e = 0; e < VE; ++e) {
+          sq[e] += __shfl_xor_sync(0xffffffffu, sq[e], m);
+          sk[e] += __shfl_xor_sync(0xffffffffu, sk[e], m);
+        }
+      if (rl == 0) {
+        float* pa = acc + (wr * HG + head) * 2 * N + n0;
+#pragma unroll
+        for (int c = 0; c < C4; ++c) {
+          float4* p = reinterpret_cast<float4*>(pa + 4 * c);
+          float4* pk = reinterpret_cast<float4*>(pa + N + 4 * c);
+          float4 u = *p, v = *pk;
+          u.x += sq[4 * c], u.y += sq[4 * c + 1], u.z += sq[4 * c + 2], u.w += sq[4 * c + 3];
+          v.x += sk[4 * c], v.y += sk[4 * c + 1], v.z += sk[4 * c + 2], v.w += sk[4 * c + 3];
+          *p = u;
+          *pk = v;
+        }
+      }
+    }
+
+    // dq, dk of the block: the WH warps' sums of the same positions added in a fixed order
+    // (wh = 0 first).
+    {
+      __syncthreads();
+      const int items = a.WR * T * 2 * C4 * 32;
+      for (int i = threadIdx.x; i < items; i += blockDim.x) {
+        const int ln = i & 31;
+        int rest = i >> 5;
+        const int c = rest % (2 * C4);
+        rest /= 2 * C4;
+        const int t = rest % T, wr2 = rest / T;
+        const int row = blk * a.PB + (wr2 * T + t) * RPW + ln / LPR;
+        if (row >= a.rows) continue;
+        const float4* src = red + ((wr2 * WH * T + t) * 2 * C4 + c) * 32 + ln;
+        float4 sum = *src;
+        for (int w2 = 1; w2 < WH; ++w2) {
+          const float4 u = src[w2 * T * 2 * C4 * 32];
+          sum.x += u.x, sum.y += u.y, sum.z += u.z, sum.w += u.w;
+        }
+        const int b = static_cast<int>(static_cast<uint32_t>(row) / static_cast<uint32_t>(a.S));
+        const int s = row - b * a.S;
+        const int n = (ln % LPR) * VE + (c % C4) * 4;
+        unsigned char* base = c < C4 ? a.dq : a.dk;
+        const float v4[4] = {sum.x, sum.y, sum.z, sum.w};
+        uint32_t w[kSz];
+        E::template pack<4>(v4, w);
+        st_global_words<4 * kSz>(
+            base + static_cast<int64_t>(b * a.go_sb + s * a.go_ss + g * a.go_sg + n) * kSz, w);
+      }
+      __syncthreads();
+    }
+  }
+
+  // This CTA's bias partial: the WR warp-rows' accumulators summed in order.
+  __syncthreads();
+  float* out = a.ws + (static_cast<size_t>(g) * gridDim.x + blockIdx.x) * HG * 2 * N;
+  for (int i = threadIdx.x; i < HG * 2 * N; i += blockDim.x) {
+    float s = acc[i];
+    for (int w = 1; w < a.WR; ++w) s += acc[w * HG * 2 * N + i];
+    out[i] = s;
   }
 }
 
@@ -910,8 +1262,8 @@ void warp_split(int64_t HG, int* WH, int* WR) {
 // per-CTA bias partials (HG*2N floats) stay small next to the CTA's own traffic (~6*HG*N bytes
 // per row): the workspace is then also bounded by a fraction of the inputs' size.
 constexpr int64_t kMinRowsPerCta = 16;
-int64_t ctas_per_group_bound(int64_t G, int sms, int64_t rows) {
-  const int64_t target = static_cast<int64_t>(kTargetCtasPerSm) * sms;
+int64_t ctas_per_group_bound(int64_t G, int sms, int64_t rows, int per_sm) {
+  const int64_t target = static_cast<int64_t>(per_sm) * sms;
   const int64_t by_sm = (target + G - 1) / G;
   return std::max<int64_t>(1, std::min(by_sm, rows / kMinRowsPerCta));
 }
@@ -1066,8 +1418,160 @@ Plan make_plan(const DqkthetaParams& p, int device, int sms) {
 
   const int64_t rbs = (p.B * p.S + pl.RB - 1) / pl.RB;
   pl.ctas_per_g =
-      static_cast<int>(std::min<int64_t>(ctas_per_group_bound(p.G, sms, p.B * p.S), rbs));
+      static_cast<int>(std::min<int64_t>(
+          ctas_per_group_bound(p.G, sms, p.B * p.S, kTargetCtasPerSm), rbs));
   return pl;
+}
+
+// ------------------------------------------------------------------ host side: the lean path
+
+struct LeanPlan {
+  int WH = 1, WR = 1, T = 1, RPW = 1, nblk = 0, ctas_per_g = 1;
+  size_t smem = 0;
+};
+
+template <int N>
+void lean_geom(int dt, int* T, int* RPW, int* VE) {
+  *T = dt == kF32    ? LeanGeom<N, kF32>::T
+       : dt == kBF16 ? LeanGeom<N, kBF16>::T
+                     : LeanGeom<N, kF16>::T;
+  *RPW = LeanGeom<N, kF32>::RPW, *VE = LeanGeom<N, kF32>::VE;
+}
+
+// Whether the lean kernel takes these arguments (see its comment), and its plan.
+bool make_lean_plan(const DqkthetaParams& p, int device, int sms, LeanPlan* lp) {
+  const int64_t N = p.N, HG = p.H / p.G;
+  const int es0 = static_cast<int>(p.dq_in.dtype);
+  int T = 0, RPW = 0, VE = 0;
+  switch (N) {
+    case 16: lean_geom<16>(es0, &T, &RPW, &VE); break;
+    case 32: lean_geom<32>(es0, &T, &RPW, &VE); break;
+    case 64: lean_geom<64>(es0, &T, &RPW, &VE); break;
+    case 128: lean_geom<128>(es0, &T, &RPW, &VE); break;
+    case 256: lean_geom<256>(es0, &T, &RPW, &VE); break;
+    default: return false;
+  }
+  const DType tg = p.dq_in.dtype;
+  for (const TensorView* v : {&p.q, &p.k, &p.dk_in, &p.dq, &p.dk})
+    if (v->dtype != tg) return false;
+  for (const TensorView* v : {&p.angles, &p.dangles, &p.scale, &p.gamma, &p.dqk, &p.dscale,
+                              &p.dgamma})
+    if (v->dtype != DType::F32) return false;
+  if (p.A % (VE / 2) != 0 || p.B * p.S >= (int64_t(1) << 31)) return false;
+  auto same3 = [](const TensorView& x, const TensorView& y) {
+    for (int d = 0; d < 3; ++d)
+      if (x.strides[d] != y.strides[d]) return false;
+    return true;
+  };
+  if (!same3(p.q, p.k) || !same3(p.dq_in, p.dk_in) || !same3(p.dq, p.dk) ||
+      !same3(p.angles, p.dangles))
+    return false;
+  for (const TensorView* v : {&p.gamma, &p.dqk, &p.dscale, &p.dgamma})
+    if (!same3(p.scale, *v)) return false;
+  const int64_t es = dtype_size(tg);
+  for (const TensorView* v : {&p.q, &p.k, &p.dq_in, &p.dk_in, &p.dq, &p.dk})
+    if (!rows_vectorizable(*v, std::min<int64_t>(16, VE * es)) || !offsets_fit_int32(*v))
+      return false;
+  for (const TensorView* v : {&p.angles, &p.dangles})
+    if (!rows_vectorizable(*v, VE / 2 * 4) || !offsets_fit_int32(*v)) return false;
+  for (const TensorView* v : {&p.scale, &p.gamma, &p.dqk, &p.dscale, &p.dgamma})
+    if (!offsets_fit_int32(*v)) return false;
+
+  lp->WH = static_cast<int>(std::min<int64_t>(HG, kLeanWarps));
+  lp->WR = kLeanWarps / lp->WH;
+  lp->T = T, lp->RPW = RPW;
+  const int W = lp->WH * lp->WR;
+  lp->smem = static_cast<size_t>(HG) * 2 * N * 4 * (1 + lp->WR) +
+             static_cast<size_t>(W) * T * 2 * VE * 32 * 4;
+  const DeviceProps& dp = device_props(device);
+  const size_t per_sm = static_cast<size_t>(std::max(0, dp.smem_per_sm));
+  const size_t optin = static_cast<size_t>(std::max(0, dp.smem_optin));
+  const size_t rsv = static_cast<size_t>(std::max(0, dp.smem_reserved));
+  int occ = 0;
+  if (lp->smem <= optin && 2 * (lp->smem + rsv) <= per_sm)
+    occ = 2;
+  else if (lp->smem <= optin && lp->smem + rsv <= per_sm)
+    occ = 1;
+  if (occ == 0) return false;
+  const int64_t PB = static_cast<int64_t>(lp->WR) * RPW * T;
+  lp->nblk = static_cast<int>((p.B * p.S + PB - 1) / PB);
+  lp->ctas_per_g = static_cast<int>(
+      std::min<int64_t>(ctas_per_group_bound(p.G, sms, p.B * p.S, occ), lp->nblk));
+  return true;
+}
+
+template <class Tg, int N>
+void launch_lean_n(const LeanPlan& lp, const LeanArgs& a, dim3 grid, cudaStream_t st,
+                   int device) {
+  ensure_dynamic_smem<dqk_lean_kernel<Tg, N>>(device, lp.smem);
+  dqk_lean_kernel<Tg, N><<<grid, lp.WH * lp.WR * 32, lp.smem, st>>>(a);
+  check_launch("compute_dqktheta: lean kernel launch");
+}
+
+template <class Tg>
+void launch_lean(const LeanPlan& lp, const LeanArgs& a, int N, dim3 grid, cudaStream_t st,
+                 int device) {
+  switch (N) {
+    case 16: return launch_lean_n<Tg, 16>(lp, a, grid, st, device);
+    case 32: return launch_lean_n<Tg, 32>(lp, a, grid, st, device);
+    case 64: return launch_lean_n<Tg, 64>(lp, a, grid, st, device);
+    case 128: return launch_lean_n<Tg, 128>(lp, a, grid, st, device);
+    default: return launch_lean_n<Tg, 256>(lp, a, grid, st, device);
+  }
+}
+
+// Runs the lean kernel when it applies; returns the CTAs per q/k head it used (0: not taken).
+int run_lean(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
+  LeanPlan lp;
+  if (!make_lean_plan(p, p.device_id, sms, &lp)) return 0;
+  LeanArgs a;
+  std::memset(&a, 0, sizeof(a));
+  auto i32 = [](int64_t x) { return static_cast<int>(x); };
+  auto cptr = [](const TensorView& v) { return static_cast<const unsigned char*>(v.data); };
+  auto mptr = [](const TensorView& v) { return static_cast<unsigned char*>(v.data); };
+  a.rows = i32(p.B * p.S), a.S = i32(p.S), a.HG = i32(p.H / p.G), a.A = i32(p.A);
+  a.WH = lp.WH, a.WR = lp.WR, a.PB = lp.WR * lp.RPW * lp.T, a.nblk = lp.nblk;
+  a.q = cptr(p.q), a.k = cptr(p.k);
+  a.q_sb = i32(p.q.strides[0]), a.q_ss = i32(p.q.strides[1]), a.q_sg = i32(p.q.strides[2]);
+  a.dqi = cptr(p.dq_in), a.dki = cptr(p.dk_in);
+  a.gi_sb = i32(p.dq_in.strides[0]), a.gi_ss = i32(p.dq_in.strides[1]);
+  a.gi_sh = i32(p.dq_in.strides[2]);
+  a.dq = mptr(p.dq), a.dk = mptr(p.dk);
+  a.go_sb = i32(p.dq.strides[0]), a.go_ss = i32(p.dq.strides[1]), a.go_sg = i32(p.dq.strides[2]);
+  a.ang = static_cast<const float*>(p.angles.data), a.dang = static_cast<float*>(p.dangles.data);
+  a.an_sb = i32(p.angles.strides[0]), a.an_ss = i32(p.angles.strides[1]);
+  a.an_sh = i32(p.angles.strides[2]);
+  a.sc = static_cast<const float*>(p.scale.data), a.ga = static_cast<const float*>(p.gamma.data);
+  a.dqk = static_cast<const float*>(p.dqk.data);
+  a.dsc = static_cast<float*>(p.dscale.data), a.dga = static_cast<float*>(p.dgamma.data);
+  a.sm_sb = i32(p.scale.strides[0]), a.sm_sh = i32(p.scale.strides[1]);
+  a.sm_ss = i32(p.scale.strides[2]);
+  a.qb = cptr(p.q_bias), a.kb = cptr(p.k_bias);
+  a.t_qb = static_cast<int>(p.q_bias.dtype), a.t_kb = static_cast<int>(p.k_bias.dtype);
+  a.qb_sh = p.q_bias.strides[0], a.qb_sn = p.q_bias.strides[1];
+  a.kb_sh = p.k_bias.strides[0], a.kb_sn = p.k_bias.strides[1];
+  a.has_dok = p.has_dok;
+  if (p.has_dok) {
+    a.dok = cptr(p.d_ok_state), a.t_dok = static_cast<int>(p.d_ok_state.dtype);
+    a.dok_sq = p.d_ok_state.strides[0], a.dok_sh = p.d_ok_state.strides[1];
+    a.dok_sn = p.d_ok_state.strides[2];
+  }
+  a.varlen = p.varlen;
+  a.cu = make_cu_seqlens(p.cu_seqlens);
+  a.ws = ws;
+  const dim3 grid(static_cast<unsigned>(lp.ctas_per_g), static_cast<unsigned>(p.G));
+  switch (p.dq_in.dtype) {
+    case DType::F32:
+      launch_lean<float>(lp, a, i32(p.N), grid, st, p.device_id);
+      break;
+    case DType::BF16:
+      launch_lean<__nv_bfloat16>(lp, a, i32(p.N), grid, st, p.device_id);
+      break;
+    default:
+      launch_lean<__half>(lp, a, i32(p.N), grid, st, p.device_id);
+      break;
+  }
+  return lp.ctas_per_g;
 }
 
 template <class Tg, int VEC, int J, int LT>
@@ -1101,6 +1605,17 @@ void launch_dqk_vec(const Plan& pl, const DqkArgs& a, dim3 grid, cudaStream_t st
   }
 }
 
+// Sums the per-CTA bias partials of either kernel into dq_bias / dk_bias.
+void launch_bias_reduce(const DqkthetaParams& p, const float* ws, int ctas_per_g,
+                        cudaStream_t st) {
+  const int tiles = static_cast<int>((p.N + 31) / 32);
+  bias_reduce_kernel<<<static_cast<unsigned>(p.H * 2 * tiles), 256, 0, st>>>(
+      ws, ctas_per_g, static_cast<int>(p.H / p.G), static_cast<int>(p.N), static_cast<int>(p.H),
+      static_cast<float*>(p.dq_bias.data), p.dq_bias.strides[0], p.dq_bias.strides[1],
+      static_cast<float*>(p.dk_bias.data), p.dk_bias.strides[0], p.dk_bias.strides[1]);
+  check_launch("compute_dqktheta: bias reduction launch");
+}
+
 }  // namespace
 
 size_t dqktheta_workspace_bytes(int64_t B, int64_t S, int64_t G, int64_t H, int64_t N,
@@ -1108,7 +1623,7 @@ size_t dqktheta_workspace_bytes(int64_t B, int64_t S, int64_t G, int64_t H, int6
   if (B <= 0 || S <= 0 || G <= 0 || H <= 0 || N <= 0) return 0;
   const int sms = sm_count(device_id);
   const int64_t HG = (H + G - 1) / G;
-  const int64_t floats = G * ctas_per_group_bound(G, sms, B * S) * HG * 2 * N;
+  const int64_t floats = G * ctas_per_group_bound(G, sms, B * S, kLeanCtasPerSm) * HG * 2 * N;
   return static_cast<size_t>(floats) * sizeof(float) + kWsAlign;
 }
 
@@ -1129,6 +1644,13 @@ void compute_dqktheta(const DqkthetaParams& p, void* workspace, size_t workspace
         &p.d_ok_state, &p.dq, &p.dk, &p.dq_bias, &p.dk_bias, &p.dangles, &p.dscale, &p.dgamma})
     check_element_aligned(*v);
   if (p.varlen) validate_cu_seqlens(p.cu_seqlens, p.S, st);
+
+  float* const ws =
+      reinterpret_cast<float*>(align_up(reinterpret_cast<uintptr_t>(workspace), kWsAlign));
+  if (const int lean_ctas = run_lean(p, ws, sms, st)) {
+    launch_bias_reduce(p, ws, lean_ctas, st);
+    return;
+  }
 
   const Plan pl = make_plan(p, p.device_id, sms);
   DqkArgs a;
@@ -1215,12 +1737,7 @@ void compute_dqktheta(const DqkthetaParams& p, void* workspace, size_t workspace
       break;
   }
 
-  const int tiles = static_cast<int>((p.N + 31) / 32);
-  bias_reduce_kernel<<<static_cast<unsigned>(p.H * 2 * tiles), 256, 0, st>>>(
-      a.ws, pl.ctas_per_g, a.HG, a.N, static_cast<int>(p.H), static_cast<float*>(p.dq_bias.data),
-      p.dq_bias.strides[0], p.dq_bias.strides[1], static_cast<float*>(p.dk_bias.data),
-      p.dk_bias.strides[0], p.dk_bias.strides[1]);
-  check_launch("compute_dqktheta: bias reduction launch");
+  launch_bias_reduce(p, a.ws, pl.ctas_per_g, st);
 }
 
 }  // namespace mamba3::cuda

@@ -212,6 +212,34 @@ TEST(SisoBwdCuda, DqkthetaHeadSplits) {
   print_worst("compute_dqktheta (head splits)", worst);
 }
 
+// The lean kernel (one dtype for q/k/dq_in/dk_in, float32 angles and row scalars) for every N
+// it takes and f16/bf16/f32 I/O, 1 to 16 heads per q/k head (all warps on heads, or split
+// between heads and rows), partial last blocks, varlen and d_ok_state; next to cases of the same
+// shapes that fall back to the pipelined kernel (float16 row scalars, odd A).
+TEST(SisoBwdCuda, DqkthetaLeanAndFallbackPaths) {
+  SKIP_WITHOUT_CUDA();
+  const IoType F = IoType::F32, H = IoType::F16, BF = IoType::BF16;
+  std::vector<DqkthetaCase> cases = {
+      dqk(2, 37, 1, 2, 16, 8, H, H, F, 51),      dqk(1, 53, 2, 6, 32, 4, H, H, F, 52),
+      dqk(2, 29, 1, 5, 64, 16, H, H, F, 53),     dqk(1, 67, 1, 16, 128, 32, H, H, F, 54),
+      dqk(2, 19, 2, 8, 256, 64, H, H, F, 55),    dqk(1, 45, 1, 1, 256, 128, BF, BF, F, 56),
+      dqk(2, 31, 1, 3, 128, 64, F, F, F, 57),    dqk(1, 77, 4, 4, 16, 2, BF, BF, F, 58),
+      dqk(1, 67, 1, 16, 128, 32, H, H, H, 59),   dqk(2, 29, 1, 5, 64, 15, BF, BF, F, 60),
+  };
+  std::map<std::string, Worst> worst;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    DqkthetaCase c = cases[i];
+    for (int variant = 0; variant < 2; ++variant) {
+      c.dok = variant == 1;
+      if (variant == 1 && c.B == 1) c.seqlens = split_lengths(c.S, 3);
+      const CaseReport r = run_dqktheta_case(c, Device::CUDA, 2);
+      expect_pass(r);
+      record(worst, r);
+    }
+  }
+  print_worst("compute_dqktheta (lean and fallback paths)", worst);
+}
+
 // Many short sequences (length 1 included) with d_ok_state: most rows are a sequence's last.
 TEST(SisoBwdCuda, DqkthetaManyShortSequences) {
   SKIP_WITHOUT_CUDA();
