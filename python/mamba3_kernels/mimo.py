@@ -129,9 +129,11 @@ def _workspace(F, ins, outs, norm_eps, chunk_size, rdd, device):
         None if t is None else t.dtype for t in outs)
     n = _ws_cache.get(key)
     if n is None:
-        buf, a, kept = _pack(ins + outs, _NAMES, _NIN)
+        buf, a, kept = _pack(tuple(ins) + tuple(outs), _NAMES, _NIN)
         out = ctypes.c_size_t(0)
-        rc = F.workspace_size(*a, norm_eps, chunk_size, rdd, ctypes.byref(out))
+        # C order: the 18 inputs, the three scalars, the 7 outputs, then the result pointer.
+        rc = F.workspace_size(*a[:_NIN], norm_eps, chunk_size, rdd, *a[_NIN:],
+                              ctypes.byref(out))
         if rc:
             _lib.raise_status(rc)
         n = out.value
