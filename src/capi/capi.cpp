@@ -12,9 +12,7 @@
 #ifdef MAMBA3_WITH_CUDA
 #include "cuda/siso_bwd.hpp"
 #endif
-// The MIMO CUDA backend (src/cuda/mimo_bwd_fwd*.cu) is built separately; until it is part of the
-// build, CUDA tensors get MAMBA3_ERROR_UNSUPPORTED from the MIMO entry points.
-#if defined(MAMBA3_WITH_CUDA) && defined(MAMBA3_WITH_MIMO_CUDA)
+#ifdef MAMBA3_WITH_CUDA
 #include "cuda/mimo_bwd.hpp"
 #endif
 
@@ -50,17 +48,6 @@ mamba3_status guarded(F&& f) {
               "backend (configure with -DMAMBA3_CUDA=ON)");
 }
 
-// The build has CUDA but not yet this operator's kernels: still a clear UNSUPPORTED, never the
-// CPU path.
-[[maybe_unused]] [[noreturn]] void no_cuda_backend(const char* op) {
-#ifdef MAMBA3_WITH_CUDA
-  MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, op,
-              ": tensors are on a CUDA device but this build of mamba3-kernels has no CUDA "
-              "kernels for this operator");
-#else
-  no_cuda_build(op);
-#endif
-}
 
 }  // namespace
 
@@ -168,10 +155,10 @@ mamba3_status mamba3_mimo_bwd_fwd_workspace_size(
         mimo_z, d, z, norm_weight, norm_eps, chunk_size, rotary_dim_divisor, states, qk_dot,
         dmimo_o, dmimo_z, dz, dnorm_weight, dout_pre_rms);
     if (p.device == DeviceKind::CUDA) {
-#if defined(MAMBA3_WITH_CUDA) && defined(MAMBA3_WITH_MIMO_CUDA)
+#ifdef MAMBA3_WITH_CUDA
       *workspace_bytes = cuda::mimo_bwd_fwd_workspace_bytes(p);
 #else
-      no_cuda_backend("mimo_bwd_fwd");
+      no_cuda_build("mimo_bwd_fwd");
 #endif
     }
   });
@@ -195,11 +182,11 @@ mamba3_status mamba3_mimo_bwd_fwd(
     if (p.device == DeviceKind::CPU) {
       cpu::mimo_bwd_fwd(p);
     } else {
-#if defined(MAMBA3_WITH_CUDA) && defined(MAMBA3_WITH_MIMO_CUDA)
+#ifdef MAMBA3_WITH_CUDA
       cuda::mimo_bwd_fwd(p, workspace, workspace_bytes, stream);
 #else
       (void)workspace, (void)workspace_bytes, (void)stream;
-      no_cuda_backend("mimo_bwd_fwd");
+      no_cuda_build("mimo_bwd_fwd");
 #endif
     }
   });

@@ -1,0 +1,129 @@
+// CUDA backend of mamba3_mimo_bwd_fwd (seed 003): host entry points and kernel launches. The
+// design (segmented chunk scan, five kernels, shared-memory tiles) is described in
+// mimo_bwd_fwd_kernels.cuh, which holds the kernel bodies and the launch plan.
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/mimo_bwd.hpp"
+#include "cuda/mimo_bwd_fwd_kernels.cuh"
+
+namespace mamba3::cuda {
+namespace {
+
+using mimo::kNT;
+using mimo::MbArgs;
+
+template <bool TC>
+__global__ void __launch_bounds__(kNT, 2) mimo_local_scan_kernel(const __grid_constant__ MbArgs a) {
+  extern __shared__ float4 smem4[];
+  mimo::k1_body<TC>(a, reinterpret_cast<float*>(smem4));
+}
+
+__global__ void __launch_bounds__(kNT) mimo_segment_states_kernel(const __grid_constant__ MbArgs a) {
+  mimo::k2_body(a);
+}
+
+template <bool TC>
+__global__ void __launch_bounds__(kNT, 1) mimo_chunk_pass_kernel(const __grid_constant__ MbArgs a) {
+  extern __shared__ float4 smem4[];
+  mimo::k3_body<TC>(a, reinterpret_cast<float*>(smem4));
+}
+
+__global__ void __launch_bounds__(kNT) mimo_reduce_partials_kernel(const __grid_constant__ MbArgs a) {
+  mimo::k4_body(a);
+}
+
+__global__ void __launch_bounds__(kNT, 1) mimo_deferred_epilogue_kernel(const __grid_constant__ MbArgs a) {
+  extern __shared__ float4 smem4[];
+  mimo::k5_body(a, reinterpret_cast<float*>(smem4));
+}
+
+mimo::MbDevice device_info(int device) {
+  mimo::MbDevice d;
+  d.sms = sm_count(device);
+  int optin = 0, per_sm = 0;
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  check_cuda(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+             "cudaDeviceGetAttribute(MaxSharedMemoryPerMultiprocessor)");
+  d.smem_optin = optin;
+  d.smem_per_sm = per_sm;
+  return d;
+}
+
+mimo::MbPlan plan_for(const MimoBwdFwdParams& p) {
+  // Every index the kernels form in 32 bits stays far below INT_MAX under these bounds.
+  MAMBA3_CHECK_ARG(p.S <= (int64_t{1} << 30) && p.B * p.H <= (int64_t{1} << 24),
+                   "mimo_bwd_fwd: B*H=", p.B * p.H, " or S=", p.S,
+                   " exceeds the CUDA backend's index range");
+  const mimo::MbPlan pl = mimo::make_mimo_plan(mimo::mb_problem(p), device_info(p.device_id));
+  if (!pl.ok)
+    MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, "mimo_bwd_fwd: no shared-memory tiling fits this device for N=",
+                p.N, ", P=", p.P, ", R=", p.R, ", C=", p.C);
+  return pl;
+}
+
+// Raises a kernel's dynamic shared-memory limit on the current device, once per (kernel,
+// device, size): later calls (e.g. inside CUDA-graph capture) then make no attribute call.
+void set_smem(const void* kern, int device, size_t bytes, const char* what) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> done;
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = done[{kern, device}];
+  if (have >= bytes) return;
+  check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)),
+             what);
+  have = bytes;
+}
+
+}  // namespace
+
+size_t mimo_bwd_fwd_workspace_bytes(const MimoBwdFwdParams& p) { return plan_for(p).ws_total; }
+
+void mimo_bwd_fwd(const MimoBwdFwdParams& p, void* workspace, size_t workspace_bytes,
+                  void* stream) {
+  DeviceGuard guard(p.device_id);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const mimo::MbPlan pl = plan_for(p);
+  MAMBA3_CHECK_ARG(workspace != nullptr && workspace_bytes >= pl.ws_total, "workspace: ",
+                   workspace_bytes, " bytes at ", workspace, " given, mimo_bwd_fwd needs ",
+                   pl.ws_total, " bytes of device memory (see mamba3_mimo_bwd_fwd_workspace_size)");
+
+  MbArgs a{};
+  mimo::mb_set_tensors(p, &a);
+  mimo::apply_plan(mimo::mb_problem(p), pl, workspace, &a);
+
+  const int64_t BH = p.B * p.H;
+  if (pl.nseg > 1) {
+    auto k1 = pl.tc1 ? mimo_local_scan_kernel<true> : mimo_local_scan_kernel<false>;
+    set_smem(reinterpret_cast<const void*>(k1), p.device_id, pl.smem1,
+             "mimo_bwd_fwd: cudaFuncSetAttribute(local scan)");
+    k1<<<static_cast<unsigned>(BH * pl.npt * pl.nsub), kNT, pl.smem1, st>>>(a);
+    check_launch("mimo_bwd_fwd: local scan kernel");
+    const int64_t per_bh = (p.N * p.P + kNT - 1) / kNT;
+    mimo_segment_states_kernel<<<static_cast<unsigned>(BH * per_bh), kNT, 0, st>>>(a);
+    check_launch("mimo_bwd_fwd: segment states kernel");
+  }
+  auto k3 = pl.tc ? mimo_chunk_pass_kernel<true> : mimo_chunk_pass_kernel<false>;
+  set_smem(reinterpret_cast<const void*>(k3), p.device_id, pl.smem3,
+           "mimo_bwd_fwd: cudaFuncSetAttribute(chunk pass)");
+  k3<<<static_cast<unsigned>(BH * pl.npt * pl.nseg), kNT, pl.smem3, st>>>(a);
+  check_launch("mimo_bwd_fwd: chunk pass kernel");
+  if (pl.defer_epi) {
+    set_smem(reinterpret_cast<const void*>(mimo_deferred_epilogue_kernel), p.device_id, pl.smem5,
+             "mimo_bwd_fwd: cudaFuncSetAttribute(deferred epilogue)");
+    mimo_deferred_epilogue_kernel<<<static_cast<unsigned>(BH * pl.nseg), kNT, pl.smem5, st>>>(a);
+    check_launch("mimo_bwd_fwd: deferred epilogue kernel");
+  }
+  if (p.reduce_o || p.has_z) {
+    const int64_t n = BH * p.R * p.P;
+    mimo_reduce_partials_kernel<<<static_cast<unsigned>((n + kNT - 1) / kNT), kNT, 0, st>>>(a);
+    check_launch("mimo_bwd_fwd: partials reduction kernel");
+  }
+}
+
+}  // namespace mamba3::cuda
