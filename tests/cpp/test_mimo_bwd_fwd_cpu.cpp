@@ -24,45 +24,17 @@
 #include "mamba3_golden/host.hpp"
 #include "mamba3_golden/mimo_cases.hpp"
 #include "pairwise.hpp"
+#include "case_log.hpp"
 
 namespace {
+
+using namespace mamba3::test;  // expect_pass, record, print_worst, WorstLog
 
 using namespace mamba3::golden;
 using mamba3::test::Assignment;
 using mamba3::test::pairwise;
 
 // ------------------------------------------------------------------ accuracy bookkeeping
-
-struct Worst {
-  double value = 0, ref = 0, ratio = 0;
-  std::string value_case, ratio_case;
-};
-
-void record(std::map<std::string, Worst>& worst, const CaseReport& r) {
-  for (const OutputReport& o : r.outputs) {
-    if (o.name == "bitwise_repeat") continue;
-    Worst& w = worst[o.name + " (" + o.dtype + ")"];
-    const double v = o.acc.value(), ref = o.acc.ref_value();
-    if (v >= w.value) w.value = v, w.ref = ref, w.value_case = r.case_name;
-    const double ratio = ref > 0 ? v / ref : (v > 0 ? std::numeric_limits<double>::infinity() : 0);
-    if (ratio >= w.ratio) w.ratio = ratio, w.ratio_case = r.case_name;
-  }
-}
-
-void print_worst(const std::map<std::string, Worst>& worst) {
-  std::printf("[ worst accuracy of mimo_bwd_fwd on cpu ]\n");
-  for (const auto& kv : worst)
-    std::printf("  %-24s metric %.3e (ref %.3e) in [%s]; worst metric/ref %.3f in [%s]\n",
-                kv.first.c_str(), kv.second.value, kv.second.ref, kv.second.value_case.c_str(),
-                kv.second.ratio, kv.second.ratio_case.c_str());
-}
-
-void expect_pass(const CaseReport& r) {
-  EXPECT_TRUE(r.pass()) << r.first_failure();
-  bool has_bitwise = false;
-  for (const OutputReport& o : r.outputs) has_bitwise |= o.name == "bitwise_repeat";
-  if (r.error.empty()) EXPECT_TRUE(has_bitwise) << "no determinism check in " << r.case_name;
-}
 
 // ------------------------------------------------------------------ the grid
 
@@ -140,14 +112,14 @@ std::vector<MimoBwdFwdCase> grid() {
 
 TEST(MimoBwdFwdCpu, GridMatchesGolden) {
   const std::vector<MimoBwdFwdCase> cases = grid();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (const MimoBwdFwdCase& c : cases) {
     const CaseReport r = run_mimo_bwd_fwd_case(c, Device::CPU, 2);
     expect_pass(r);
     record(worst, r);
   }
   std::printf("[ %zu mimo_bwd_fwd cases ]\n", cases.size());
-  print_worst(worst);
+  print_worst("mimo_bwd_fwd on cpu", worst);
 }
 
 TEST(MimoBwdFwdCpu, GridCoversEveryAxisValue) {

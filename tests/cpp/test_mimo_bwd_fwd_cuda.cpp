@@ -27,6 +27,7 @@
 #include "mamba3_golden/host.hpp"
 #include "mamba3_golden/mimo_cases.hpp"
 #include "pairwise.hpp"
+#include "case_log.hpp"
 
 #ifdef MAMBA3_GOLDEN_CUDA
 #include <cuda_runtime.h>
@@ -34,45 +35,11 @@
 
 namespace {
 
+using namespace mamba3::test;  // expect_pass, record, print_worst, WorstLog
+
 using namespace mamba3::golden;
 using mamba3::test::Assignment;
 using mamba3::test::pairwise;
-
-#define SKIP_WITHOUT_CUDA()                                                   \
-  do {                                                                        \
-    if (!cuda_available()) GTEST_SKIP() << "no CUDA device in this machine"; \
-  } while (0)
-
-void expect_pass(const CaseReport& r) {
-  EXPECT_TRUE(r.pass()) << r.first_failure();
-  bool has_bitwise = false;
-  for (const OutputReport& o : r.outputs) has_bitwise |= o.name == "bitwise_repeat";
-  if (r.error.empty()) EXPECT_TRUE(has_bitwise) << "no determinism check in " << r.case_name;
-}
-
-struct Worst {
-  double value = 0, ref = 0, ratio = 0;
-  std::string value_case, ratio_case;
-};
-
-void record(std::map<std::string, Worst>& worst, const CaseReport& r) {
-  for (const OutputReport& o : r.outputs) {
-    if (o.name == "bitwise_repeat") continue;
-    Worst& w = worst[o.name + " (" + o.dtype + ")"];
-    const double v = o.acc.value(), ref = o.acc.ref_value();
-    if (v >= w.value) w.value = v, w.ref = ref, w.value_case = r.case_name;
-    const double ratio = ref > 0 ? v / ref : (v > 0 ? std::numeric_limits<double>::infinity() : 0);
-    if (ratio >= w.ratio) w.ratio = ratio, w.ratio_case = r.case_name;
-  }
-}
-
-void print_worst(const char* what, const std::map<std::string, Worst>& worst) {
-  std::printf("[ worst accuracy of mimo_bwd_fwd on cuda: %s ]\n", what);
-  for (const auto& kv : worst)
-    std::printf("  %-24s metric %.3e (ref %.3e) in [%s]; worst metric/ref %.3f in [%s]\n",
-                kv.first.c_str(), kv.second.value, kv.second.ref, kv.second.value_case.c_str(),
-                kv.second.ratio, kv.second.ratio_case.c_str());
-}
 
 // ------------------------------------------------------------------ the grid
 
@@ -148,14 +115,14 @@ std::vector<MimoBwdFwdCase> grid() {
 TEST(MimoBwdFwdCuda, GridMatchesGolden) {
   SKIP_WITHOUT_CUDA();
   const std::vector<MimoBwdFwdCase> cases = grid();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (const MimoBwdFwdCase& c : cases) {
     const CaseReport r = run_mimo_bwd_fwd_case(c, Device::CUDA, 2);
     expect_pass(r);
     record(worst, r);
   }
   std::printf("[ %zu mimo_bwd_fwd cuda cases ]\n", cases.size());
-  print_worst("grid", worst);
+  print_worst("mimo_bwd_fwd on cuda: grid", worst);
 }
 
 // ------------------------------------------------------------------ internal paths
@@ -174,7 +141,7 @@ MimoBwdFwdCase base_case(int64_t B, int64_t S, int64_t H, int64_t N, int64_t P, 
 // the sub-segments, serial combine, then the chunk pass from the combined states).
 TEST(MimoBwdFwdCuda, ManySegments) {
   SKIP_WITHOUT_CUDA();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (IoType t : {IoType::F32, IoType::BF16}) {
     MimoBwdFwdCase c = base_case(1, 1003, 1, 64, 64, 4, 8, t, 11);
     const CaseReport r = run_mimo_bwd_fwd_case(c, Device::CUDA, 2);
@@ -186,14 +153,14 @@ TEST(MimoBwdFwdCuda, ManySegments) {
     expect_pass(r2);
     record(worst, r2);
   }
-  print_worst("many segments", worst);
+  print_worst("mimo_bwd_fwd on cuda: many segments", worst);
 }
 
 // State [N, P] too large for one CTA's shared memory: P split across CTAs; with the RMSNorm the
 // epilogue (which needs whole P rows) runs in its own kernel from Y in the workspace.
 TEST(MimoBwdFwdCuda, StateSplitOverP) {
   SKIP_WITHOUT_CUDA();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (bool norm : {false, true})
     for (IoType t : {IoType::F32, IoType::BF16}) {
       MimoBwdFwdCase c = base_case(1, 70, 2, 256, 256, 2, 16, t, 21 + norm);
@@ -207,14 +174,14 @@ TEST(MimoBwdFwdCuda, StateSplitOverP) {
   const CaseReport r = run_mimo_bwd_fwd_case(c, Device::CUDA, 2);
   expect_pass(r);
   record(worst, r);
-  print_worst("P split", worst);
+  print_worst("mimo_bwd_fwd on cuda: P split", worst);
 }
 
 // Chunk tiles too large for shared memory: each chunk runs in blocks of steps (queries block by
 // block against the earlier key blocks).
 TEST(MimoBwdFwdCuda, ChunkInStepBlocks) {
   SKIP_WITHOUT_CUDA();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   {
     MimoBwdFwdCase c = base_case(1, 150, 2, 256, 128, 4, 64, IoType::F32, 31);
     const CaseReport r = run_mimo_bwd_fwd_case(c, Device::CUDA, 2);
@@ -235,7 +202,7 @@ TEST(MimoBwdFwdCuda, ChunkInStepBlocks) {
     expect_pass(r);
     record(worst, r);
   }
-  print_worst("step blocks", worst);
+  print_worst("mimo_bwd_fwd on cuda: step blocks", worst);
 }
 
 // Odd sizes: N not a multiple of 4 (padded tiles), P not a multiple of 4, rank 3, one step.
@@ -262,7 +229,7 @@ TEST(MimoBwdFwdCuda, ReferenceShapesShortSequence) {
                                {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
                                {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
                                {128, 64, 2, 32}, {128, 64, 1, 64}};
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   uint64_t seed = 51;
   for (const auto& s : shapes) {
     MimoBwdFwdCase c = base_case(1, 160, 2, s[0], s[1], s[2], s[3], IoType::BF16, seed++);
@@ -270,7 +237,7 @@ TEST(MimoBwdFwdCuda, ReferenceShapesShortSequence) {
     expect_pass(r);
     record(worst, r);
   }
-  print_worst("reference shapes", worst);
+  print_worst("mimo_bwd_fwd on cuda: reference shapes", worst);
 }
 
 // ------------------------------------------------------------------ device operands

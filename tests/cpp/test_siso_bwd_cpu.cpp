@@ -24,8 +24,11 @@
 #include "mamba3_golden/host.hpp"
 #include "mamba3_golden/siso_cases.hpp"
 #include "pairwise.hpp"
+#include "case_log.hpp"
 
 namespace {
+
+using namespace mamba3::test;  // expect_pass, record, print_worst, WorstLog
 
 using namespace mamba3::golden;
 
@@ -50,38 +53,6 @@ std::vector<int64_t> split_lengths(int64_t S, int64_t nseq, int64_t chunk) {
 }
 
 // ------------------------------------------------------------------ accuracy bookkeeping
-
-struct Worst {
-  double value = 0, ref = 0, ratio = 0;  // worst metric, its reference, worst metric/reference
-  std::string value_case, ratio_case;
-};
-
-void record(std::map<std::string, Worst>& worst, const CaseReport& r) {
-  for (const OutputReport& o : r.outputs) {
-    if (o.name == "bitwise_repeat") continue;
-    const std::string key = o.name + " (" + o.dtype + ")";
-    Worst& w = worst[key];
-    const double v = o.acc.value(), ref = o.acc.ref_value();
-    if (v >= w.value) w.value = v, w.ref = ref, w.value_case = r.case_name;
-    const double ratio = ref > 0 ? v / ref : (v > 0 ? std::numeric_limits<double>::infinity() : 0);
-    if (ratio >= w.ratio) w.ratio = ratio, w.ratio_case = r.case_name;
-  }
-}
-
-void print_worst(const char* op, const std::map<std::string, Worst>& worst) {
-  std::printf("[ worst accuracy of %s on cpu ]\n", op);
-  for (const auto& kv : worst)
-    std::printf("  %-28s metric %.3e (ref %.3e) in [%s]; worst metric/ref %.3f in [%s]\n",
-                kv.first.c_str(), kv.second.value, kv.second.ref, kv.second.value_case.c_str(),
-                kv.second.ratio, kv.second.ratio_case.c_str());
-}
-
-void expect_pass(const CaseReport& r) {
-  EXPECT_TRUE(r.pass()) << r.first_failure();
-  bool has_bitwise = false;
-  for (const OutputReport& o : r.outputs) has_bitwise |= o.name == "bitwise_repeat";
-  if (r.error.empty()) EXPECT_TRUE(has_bitwise) << "no determinism check in " << r.case_name;
-}
 
 // ------------------------------------------------------------------ compute_dqktheta grid
 
@@ -138,14 +109,14 @@ std::vector<DqkthetaCase> dqktheta_grid() {
 
 TEST(SisoBwdCpu, DqkthetaGridMatchesGolden) {
   const std::vector<DqkthetaCase> cases = dqktheta_grid();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (const DqkthetaCase& c : cases) {
     const CaseReport r = run_dqktheta_case(c, Device::CPU, 2);
     expect_pass(r);
     record(worst, r);
   }
   std::printf("[ %zu compute_dqktheta cases ]\n", cases.size());
-  print_worst("compute_dqktheta", worst);
+  print_worst("compute_dqktheta on cpu", worst);
 }
 
 TEST(SisoBwdCpu, DqkthetaGridCoversEveryAxisValue) {
@@ -222,14 +193,14 @@ std::vector<DdtCase> ddt_grid() {
 
 TEST(SisoBwdCpu, DdtDtrapGridMatchesGolden) {
   const std::vector<DdtCase> cases = ddt_grid();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (const DdtCase& c : cases) {
     const CaseReport r = run_ddt_case(c, Device::CPU, 2);
     expect_pass(r);
     record(worst, r);
   }
   std::printf("[ %zu compute_ddt_dtrap_dinput_states cases ]\n", cases.size());
-  print_worst("compute_ddt_dtrap_dinput_states", worst);
+  print_worst("compute_ddt_dtrap_dinput_states on cpu", worst);
 }
 
 TEST(SisoBwdCpu, DdtGridCoversEveryAxisValue) {
@@ -258,7 +229,7 @@ TEST(SisoBwdCpu, DdtGridCoversEveryAxisValue) {
 // Problems above the CPU backend's threading threshold (2^20 elements): same golden comparison,
 // and two runs must be bitwise identical.
 TEST(SisoBwdCpu, LargeProblemsUseThreadsAndStayExactAndDeterministic) {
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   {
     DqkthetaCase c;
     c.B = 2, c.S = 2048, c.G = 1, c.H = 4, c.N = 128, c.A = 64, c.chunk = 64;
@@ -290,7 +261,7 @@ TEST(SisoBwdCpu, LargeProblemsUseThreadsAndStayExactAndDeterministic) {
     expect_pass(r);
     record(worst, r);
   }
-  print_worst("large cases", worst);
+  print_worst("large cases on cpu", worst);
 }
 
 // ------------------------------------------------------------------ arbitrary strides

@@ -23,6 +23,7 @@
 #include "mamba3/mamba3.h"
 #include "mamba3_golden/host.hpp"
 #include "mamba3_golden/siso_cases.hpp"
+#include "case_log.hpp"
 
 #ifdef MAMBA3_GOLDEN_CUDA
 #include <cuda_runtime.h>
@@ -30,40 +31,9 @@
 
 namespace {
 
+using namespace mamba3::test;  // expect_pass, record, print_worst, WorstLog
+
 using namespace mamba3::golden;
-
-#define SKIP_WITHOUT_CUDA()                                                  \
-  do {                                                                       \
-    if (!cuda_available()) GTEST_SKIP() << "no CUDA device in this machine"; \
-  } while (0)
-
-void expect_pass(const CaseReport& r) {
-  EXPECT_TRUE(r.pass()) << r.first_failure();
-  bool has_bitwise = false;
-  for (const OutputReport& o : r.outputs) has_bitwise |= o.name == "bitwise_repeat";
-  if (r.error.empty()) EXPECT_TRUE(has_bitwise) << "no determinism check in " << r.case_name;
-}
-
-struct Worst {
-  double value = 0, ref = 0;
-  std::string where;
-};
-
-void record(std::map<std::string, Worst>& worst, const CaseReport& r) {
-  for (const OutputReport& o : r.outputs) {
-    if (o.name == "bitwise_repeat") continue;
-    Worst& w = worst[o.name + " (" + o.dtype + ")"];
-    if (o.acc.value() >= w.value)
-      w.value = o.acc.value(), w.ref = o.acc.ref_value(), w.where = r.case_name;
-  }
-}
-
-void print_worst(const char* op, const std::map<std::string, Worst>& worst) {
-  std::printf("[ worst accuracy of %s on cuda ]\n", op);
-  for (const auto& kv : worst)
-    std::printf("  %-28s metric %.3e (ref %.3e) in [%s]\n", kv.first.c_str(), kv.second.value,
-                kv.second.ref, kv.second.where.c_str());
-}
 
 // Uneven sequence lengths summing to S (first of length 1, then shorter and longer than a chunk).
 std::vector<int64_t> split_lengths(int64_t S, int64_t nseq) {
@@ -125,14 +95,14 @@ std::vector<DqkthetaCase> dqktheta_grid() {
 TEST(SisoBwdCuda, DqkthetaGridMatchesGolden) {
   SKIP_WITHOUT_CUDA();
   const auto cases = dqktheta_grid();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (const DqkthetaCase& c : cases) {
     const CaseReport r = run_dqktheta_case(c, Device::CUDA, 2);
     expect_pass(r);
     record(worst, r);
   }
   std::printf("[ %zu compute_dqktheta cases ]\n", cases.size());
-  print_worst("compute_dqktheta", worst);
+  print_worst("compute_dqktheta on cuda", worst);
 }
 
 TEST(SisoBwdCuda, DqkthetaGridCoversEveryAxisValue) {
@@ -177,7 +147,7 @@ TEST(SisoBwdCuda, DqkthetaLaneLayouts) {
       dqk(1, 27, 1, 2, 64, 31, F, F, F, 17),    dqk(2, 33, 1, 2, 128, 33, H, H, F, 18),
       dqk(1, 60, 1, 1, 130, 65, F, F, F, 19),   dqk(1, 60, 1, 2, 12, 6, BF, BF, BF, 20),
   };
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (DqkthetaCase c : cases) {
     for (bool dok : {false, true}) {
       c.dok = dok;
@@ -186,7 +156,7 @@ TEST(SisoBwdCuda, DqkthetaLaneLayouts) {
       record(worst, r);
     }
   }
-  print_worst("compute_dqktheta (lane layouts)", worst);
+  print_worst("compute_dqktheta (lane layouts) on cuda", worst);
 }
 
 // Heads per q/k head from 1 to 128: warp splits 1..8 along heads (uneven when it does not
@@ -203,13 +173,13 @@ TEST(SisoBwdCuda, DqkthetaHeadSplits) {
   };
   cases[3].dok = true;
   cases[6].dok = true;
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (const DqkthetaCase& c : cases) {
     const CaseReport r = run_dqktheta_case(c, Device::CUDA, 2);
     expect_pass(r);
     record(worst, r);
   }
-  print_worst("compute_dqktheta (head splits)", worst);
+  print_worst("compute_dqktheta (head splits) on cuda", worst);
 }
 
 // The lean kernel (one dtype for q/k/dq_in/dk_in, float32 angles and row scalars) for every N
@@ -226,7 +196,7 @@ TEST(SisoBwdCuda, DqkthetaLeanAndFallbackPaths) {
       dqk(2, 31, 1, 3, 128, 64, F, F, F, 57),    dqk(1, 77, 4, 4, 16, 2, BF, BF, F, 58),
       dqk(1, 67, 1, 16, 128, 32, H, H, H, 59),   dqk(2, 29, 1, 5, 64, 15, BF, BF, F, 60),
   };
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (size_t i = 0; i < cases.size(); ++i) {
     DqkthetaCase c = cases[i];
     for (int variant = 0; variant < 2; ++variant) {
@@ -237,7 +207,7 @@ TEST(SisoBwdCuda, DqkthetaLeanAndFallbackPaths) {
       record(worst, r);
     }
   }
-  print_worst("compute_dqktheta (lean and fallback paths)", worst);
+  print_worst("compute_dqktheta (lean and fallback paths) on cuda", worst);
 }
 
 // Many short sequences (length 1 included) with d_ok_state: most rows are a sequence's last.
@@ -266,7 +236,7 @@ TEST(SisoBwdCuda, DqkthetaLargeShapes) {
   cases[0].dok = true;
   cases[2].seqlens = {1000, 1, 999, 1000};
   cases[2].dok = true;
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (const DqkthetaCase& c : cases) {
     const CaseReport r = run_dqktheta_case(c, Device::CUDA, 2);
     expect_pass(r);
@@ -274,7 +244,7 @@ TEST(SisoBwdCuda, DqkthetaLargeShapes) {
     std::printf("  [%s] %.3f ms (one call, untuned harness timing)\n", c.describe().c_str(),
                 r.time_ms);
   }
-  print_worst("compute_dqktheta (large)", worst);
+  print_worst("compute_dqktheta (large) on cuda", worst);
 }
 
 // ------------------------------------------------------------------
@@ -311,14 +281,14 @@ std::vector<DdtCase> ddt_grid() {
 TEST(SisoBwdCuda, DdtDtrapGridMatchesGolden) {
   SKIP_WITHOUT_CUDA();
   const auto cases = ddt_grid();
-  std::map<std::string, Worst> worst;
+  WorstLog worst;
   for (const DdtCase& c : cases) {
     const CaseReport r = run_ddt_case(c, Device::CUDA, 2);
     expect_pass(r);
     record(worst, r);
   }
   std::printf("[ %zu compute_ddt_dtrap_dinput_states cases ]\n", cases.size());
-  print_worst("compute_ddt_dtrap_dinput_states", worst);
+  print_worst("compute_ddt_dtrap_dinput_states on cuda", worst);
 }
 
 TEST(SisoBwdCuda, DdtGridCoversEveryAxisValue) {
