@@ -162,6 +162,114 @@ MAMBA3_API mamba3_status mamba3_mimo_bwd_fwd(
     DLTensor* dmimo_z, DLTensor* dz, DLTensor* dnorm_weight, DLTensor* dout_pre_rms,
     void* workspace, size_t workspace_bytes, void* stream);
 
+/* ---------------------------------------------------------------------------------------------
+ * MIMO backward, second pass (seed 001; upstream mamba_mimo_bwd_bwd): the reverse scan over
+ * chunks that consumes the first pass's `states` and `qk_dot` and returns the gradients w.r.t.
+ * q, k, v, mimo_v, angles, D and the discretization factors.
+ *
+ * Sizes as for mamba3_mimo_bwd_fwd (B, S, H, G, N <= 256 even, P <= 256, R <= 8,
+ * C = chunk_size in {8, 16, 32, 64}, nchunks = ceil(S / C), A = N / rotary_dim_divisor).
+ * Inputs (each float tensor any of f16 / bf16 / f32, arbitrary strides):
+ *   dout     one of three layouts of dL/dy^r (y^r the per-rank readout, see mimo.hpp):
+ *            [B,S,H,P] with mimo_o (reduce-O: dL/dy^r = dout * mimo_o^r);
+ *            [B,S,R,H,P] with mimo_o NULL (per rank);
+ *            [B,H,S*R,P] with mimo_o NULL (packed: row t*R + r, the dout_pre_rms of the
+ *            fused-norm first pass). There is no gate here: a gated model passes the per-rank
+ *            or packed dout with the gate applied.
+ *   q, k [B,S,R,G,N]; v [B,S,H,P]; q_bias, k_bias [H,R,N]; mimo_v [H,R,P]
+ *   states   [B,H,nchunks,N,P]  the state entering each chunk (mamba3_mimo_bwd_fwd's output)
+ *   qk_dot   [B,H,S,R,R]        (q^r + q_bias^r) . (k^r' + k_bias^r') (its output too)
+ *   da_cs, da_cs_rev, dt, trap [B,H,S]; segsum [B,H,nchunks,C,C] (strictly lower triangle read);
+ *   angles [B,S,H,A]; mimo_o [H,R,P] or NULL; d [H] or NULL
+ * Partial last chunk: as mamba3_mimo_bwd_fwd (that chunk's segsum / da_cs_rev are not read).
+ * Outputs (meaning: golden/include/mamba3_golden/mimo_bwd_bwd.hpp; all of L = sum dL/dy . y):
+ *   dq, dk      [B,S*R,H,N]  f16 / bf16 / f32 each: per head (sum over the heads of a q/k group
+ *               for the q / k gradient), row t*R + r
+ *   dv          [B,S,H,P]    f16 / bf16 / f32
+ *   dmimo_v     [B,H,R,P]    f32, per batch (sum over B)
+ *   dangles     [B,S,H,A]    f32
+ *   dfactor     [B,H,S]      f32  dL/dtrap_scale_t
+ *   dgamma      [B,H,S]      f32  dL/dgamma_t through the diagonal (same-step) term only
+ *   dda         [B,H,S]      f32  dL/d(da_cs at the chunk's last step) through the chunk decay,
+ *                                 repeated at every step of the chunk
+ *   dssda       [B,H,nchunks,C,C] f32  [c, s, t] = dL/dexp(segsum[c,t,s]) for s < t; the same
+ *                                 product (unmasked) for s >= t; 0 past S in the last chunk
+ *   dda_cs_rev  [B,H,S]      f32  dL/dexp(da_cs_rev_t)
+ *   dda_cs      [B,H,S]      f32  dL/dexp(da_cs_t) through the inter-chunk readout
+ *   dd          [B,H]        f32, per batch; given exactly when d is given
+ * Accumulation is float32; results are deterministic. The CUDA backend of this operator is not
+ * built yet: CUDA tensors get MAMBA3_ERROR_UNSUPPORTED (never the CPU path on device memory).
+ * mamba3_mimo_bwd_bwd_workspace_size takes the same tensors (reading only their metadata); it is
+ * 0 on the CPU.
+ * ------------------------------------------------------------------------------------------- */
+MAMBA3_API mamba3_status mamba3_mimo_bwd_bwd_workspace_size(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v,
+    const DLTensor* states, const DLTensor* qk_dot, const DLTensor* da_cs,
+    const DLTensor* da_cs_rev, const DLTensor* dt, const DLTensor* trap, const DLTensor* segsum,
+    const DLTensor* angles, const DLTensor* mimo_o, const DLTensor* d, int64_t chunk_size,
+    int64_t rotary_dim_divisor, const DLTensor* dq, const DLTensor* dk, const DLTensor* dv,
+    const DLTensor* dmimo_v, const DLTensor* dangles, const DLTensor* dfactor,
+    const DLTensor* dgamma, const DLTensor* dda, const DLTensor* dssda,
+    const DLTensor* dda_cs_rev, const DLTensor* dda_cs, const DLTensor* dd,
+    size_t* workspace_bytes);
+
+MAMBA3_API mamba3_status mamba3_mimo_bwd_bwd(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v,
+    const DLTensor* states, const DLTensor* qk_dot, const DLTensor* da_cs,
+    const DLTensor* da_cs_rev, const DLTensor* dt, const DLTensor* trap, const DLTensor* segsum,
+    const DLTensor* angles, const DLTensor* mimo_o, const DLTensor* d, int64_t chunk_size,
+    int64_t rotary_dim_divisor, DLTensor* dq, DLTensor* dk, DLTensor* dv, DLTensor* dmimo_v,
+    DLTensor* dangles, DLTensor* dfactor, DLTensor* dgamma, DLTensor* dda, DLTensor* dssda,
+    DLTensor* dda_cs_rev, DLTensor* dda_cs, DLTensor* dd, void* workspace,
+    size_t workspace_bytes, void* stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * MIMO backward, combined (upstream mamba_mimo_bwd_combined): the first pass, the second pass
+ * and the reductions to the gradients of the raw inputs, in one call. Inputs as for
+ * mamba3_mimo_bwd_fwd (z / mimo_z gate, norm_weight for the fused pre-gate RMSNorm, d), in
+ * upstream's argument order; chunk decays da_cs / da_cs_rev / segsum as compute_dacs_segsum of
+ * adt gives them. Outputs (upstream's 15 gradients, in its return order; of L = sum dout . out):
+ *   dq, dk       [B,S,R,G,N]  f16 / bf16 / f32 (summed over the heads of each q/k group)
+ *   dv           [B,S,H,P]    f16 / bf16 / f32
+ *   dadt         [B,H,S]      f32  dL/dadt (upstream's ddA; the adt = A dt share of dt and A is
+ *                                  the caller's)
+ *   ddt, dtrap   [B,H,S]      f32  through gamma and the trapezoid's trap_scale
+ *   dq_bias, dk_bias [H,R,N]  f32
+ *   dmimo_v      [H,R,P]      f32;  dmimo_z [H,R,P] f32 exactly with z; dmimo_o [H,R,P] f32
+ *                                  exactly with mimo_o (all summed over the batch)
+ *   dangles      [B,S,H,A]    f32
+ *   dd           [H]          f32 exactly with d
+ *   dz           [B,S,H,P]    f16 / bf16 / f32 exactly with z
+ *   dnorm_weight [H,P]        f32 exactly with norm_weight (summed over batch and rank)
+ * Meaning: golden/include/mamba3_golden/mimo_bwd_bwd.hpp (mimo_bwd_combined). The first pass's
+ * intermediates are the backend's scratch (no workspace on the CPU). The CUDA backend of this
+ * operator is not built yet: CUDA tensors get MAMBA3_ERROR_UNSUPPORTED.
+ * ------------------------------------------------------------------------------------------- */
+MAMBA3_API mamba3_status mamba3_mimo_bwd_combined_workspace_size(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v, const DLTensor* mimo_o,
+    const DLTensor* z, const DLTensor* mimo_z, const DLTensor* angles, const DLTensor* da_cs,
+    const DLTensor* da_cs_rev, const DLTensor* dt, const DLTensor* trap, const DLTensor* d,
+    const DLTensor* segsum, int64_t chunk_size, int64_t rotary_dim_divisor,
+    const DLTensor* norm_weight, double norm_eps, const DLTensor* dq, const DLTensor* dk,
+    const DLTensor* dv, const DLTensor* dadt, const DLTensor* ddt, const DLTensor* dtrap,
+    const DLTensor* dq_bias, const DLTensor* dk_bias, const DLTensor* dmimo_v,
+    const DLTensor* dmimo_z, const DLTensor* dmimo_o, const DLTensor* dangles, const DLTensor* dd,
+    const DLTensor* dz, const DLTensor* dnorm_weight, size_t* workspace_bytes);
+
+MAMBA3_API mamba3_status mamba3_mimo_bwd_combined(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v, const DLTensor* mimo_o,
+    const DLTensor* z, const DLTensor* mimo_z, const DLTensor* angles, const DLTensor* da_cs,
+    const DLTensor* da_cs_rev, const DLTensor* dt, const DLTensor* trap, const DLTensor* d,
+    const DLTensor* segsum, int64_t chunk_size, int64_t rotary_dim_divisor,
+    const DLTensor* norm_weight, double norm_eps, DLTensor* dq, DLTensor* dk, DLTensor* dv,
+    DLTensor* dadt, DLTensor* ddt, DLTensor* dtrap, DLTensor* dq_bias, DLTensor* dk_bias,
+    DLTensor* dmimo_v, DLTensor* dmimo_z, DLTensor* dmimo_o, DLTensor* dangles, DLTensor* dd,
+    DLTensor* dz, DLTensor* dnorm_weight, void* workspace, size_t workspace_bytes, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,6 +4,7 @@
     dq, dk, dq_bias, dk_bias, dangles, dscale, dgamma = siso.compute_dqktheta(...)
     ddt, dtrap, d_issm, d_k, d_v = siso.compute_ddt_dtrap_dinput_states(...)
     states, qk_dot, dmimo_o, dmimo_z, dz = mimo.mamba3_mimo_bwd_fwd(...)
+    grads = mimo.mamba3_mimo_bwd_bwd(...)   # dict: DQ, DK, DV, ..., DD
 
 Install: `pip install --no-build-isolation .` in the repository (builds the CMake project with
 scikit-build-core and puts libmamba3.so into this package; CUDA backend by default, CPU only with
@@ -23,7 +24,8 @@ from ._lib import library_path
 
 __version__ = "0.1.0"  # keep equal to project(... VERSION) in CMakeLists.txt
 
-__all__ = ["siso", "mimo", "mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out", "has_cuda",
+__all__ = ["siso", "mimo", "mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out",
+           "mamba3_mimo_bwd_bwd", "mamba3_mimo_bwd_combined", "has_cuda",
            "library_version", "library_path", "__version__"]
 
 
@@ -42,6 +44,7 @@ def library_version() -> str:
 def __getattr__(name):
     if name in ("siso", "mimo"):
         return importlib.import_module("." + name, __name__)
-    if name in ("mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out"):
+    if name in ("mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out", "mamba3_mimo_bwd_bwd",
+                "mamba3_mimo_bwd_combined"):
         return getattr(importlib.import_module(".mimo", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,6 @@
-"""MIMO backward first pass of Mamba-3 (seed 003; upstream's mamba_mimo_bwd_fwd) on torch tensors.
+"""MIMO backward passes of Mamba-3 on torch tensors: the first pass (seed 003; upstream's
+mamba_mimo_bwd_fwd) and the second pass (seed 001; upstream's mamba_mimo_bwd_bwd, at the end of
+this docstring).
 
   mamba3_mimo_bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev,
                       dt, trap, segsum, mimo_z=None, d=None, z=None, chunk_size=16,
@@ -29,6 +31,36 @@ implementation; absent outputs come back from the op as 0-element tensors, which
 function turns into None), so it traces under torch.compile(fullgraph=True) and can be captured
 in CUDA graphs; in eager mode the library is called directly. mamba3_mimo_bwd_fwd_out writes
 into caller-given outputs (eager only; the output dtype is the dtype of `states`).
+
+  mamba3_mimo_bwd_bwd(dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev,
+                      dt, trap, segsum, angles, mimo_o=None, d=None, chunk_size=16,
+                      rotary_dim_divisor=4, output_dtype=None)
+      -> {"DQ", "DK", "DV", "DMIMO_V", "DANGLES", "DFACTOR", "DGAMMA", "DDA", "DSSDA",
+          "DDA_CS_REV", "DDA_CS", "DD"}
+
+The second pass (include/mamba3/mamba3.h, mamba3_mimo_bwd_bwd; meaning of every output in
+golden/include/mamba3_golden/mimo_bwd_bwd.hpp): states [B,H,nchunks,N,P] and qk_dot [B,H,S,R,R]
+as the first pass returns them. dout is [B,S,H,P] with mimo_o (reduce-O), [B,S,R,H,P] without
+(per rank), or [B,H,S*R,P] without (the packed dout_pre_rms of the fused-norm first pass); no gate
+here. Returns DQ, DK [B,S*R,H,N] (per head; sum the heads of a q/k group), DV [B,S,H,P] in
+output_dtype (default: the dtype of q, k and v respectively), and in f32 DMIMO_V [B,H,R,P] (per
+batch), DANGLES [B,S,H,N/rotary_dim_divisor], DFACTOR, DGAMMA, DDA, DDA_CS_REV, DDA_CS [B,H,S],
+DSSDA [B,H,nchunks,C,C], DD [B,H] (per batch; None without d). Registered as
+torch.ops.mamba3.mimo_bwd_bwd (12 tensors, DD a 0-element placeholder without d). CPU tensors
+only for now: the CUDA backend of this operator is not built yet, and the library refuses CUDA
+tensors (RuntimeError, MAMBA3_ERROR_UNSUPPORTED; nothing falls back to the CPU).
+
+  mamba3_mimo_bwd_combined(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles,
+                           da_cs, da_cs_rev, dt, trap, d, segsum, chunk_size=16,
+                           rotary_dim_divisor=4, *, norm_weight=None, norm_eps=1e-5,
+                           output_dtype=None)
+      -> (dq, dk, dv, dadt, ddt, dtrap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o, dangles,
+          dd, dz, dnorm_weight)
+
+The combined backward (upstream's mamba_mimo_bwd_combined, its argument and return order): both
+passes and the reductions, gradients of sum(dout * out) w.r.t. the raw inputs (dadt is upstream's
+ddA). Registered as torch.ops.mamba3.mimo_bwd_combined; CPU tensors only for now, like the second
+pass.
 """
 from __future__ import annotations
 
@@ -42,7 +74,8 @@ from torch import Tensor
 from . import _dlpack, _lib
 from ._common import copy_back, rank_error, required, stream_of, unit_stride_outputs, use_direct
 
-__all__ = ["mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out"]
+__all__ = ["mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out", "mamba3_mimo_bwd_bwd",
+           "BWD_BWD_OUTPUTS", "mamba3_mimo_bwd_combined", "COMBINED_OUTPUTS"]
 
 _pack = _dlpack.pack
 _f32 = torch.float32
@@ -276,3 +309,273 @@ def mamba3_mimo_bwd_fwd_out(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angle
             work, False)
     copy_back(outs, work)
     return _result(outs, norm_weight is not None)
+
+
+# ------------------------------------------------------------------------------ second pass
+
+BWD_BWD_OUTPUTS = ("DQ", "DK", "DV", "DMIMO_V", "DANGLES", "DFACTOR", "DGAMMA", "DDA", "DSSDA",
+                   "DDA_CS_REV", "DDA_CS", "DD")
+_BB_NAMES = ("dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v", "states", "qk_dot", "da_cs",
+             "da_cs_rev", "dt", "trap", "segsum", "angles", "mimo_o", "d",
+             "dq", "dk", "dv", "dmimo_v", "dangles", "dfactor", "dgamma", "dda", "dssda",
+             "dda_cs_rev", "dda_cs", "dd")
+_BB_NIN = 17
+_BB_NOUT = 12
+
+
+class _BBFns:
+    """ctypes objects of the second-pass entry points, argtypes declared once."""
+
+    def __init__(self):
+        lib = _lib.load()
+        try:
+            run = lib.lib.mamba3_mimo_bwd_bwd
+            ws = lib.lib.mamba3_mimo_bwd_bwd_workspace_size
+        except AttributeError as e:
+            raise RuntimeError(f"{lib.path} has no mamba3_mimo_bwd_bwd (a library older than "
+                               f"the second MIMO pass?): {e}") from None
+        vp = ctypes.c_void_p
+        scalars = [ctypes.c_int64, ctypes.c_int64]  # chunk_size, rotary_dim_divisor
+        ws.argtypes = ([vp] * _BB_NIN + scalars + [vp] * _BB_NOUT
+                       + [ctypes.POINTER(ctypes.c_size_t)])
+        ws.restype = ctypes.c_int
+        run.argtypes = [vp] * _BB_NIN + scalars + [vp] * _BB_NOUT + [vp, ctypes.c_size_t, vp]
+        run.restype = ctypes.c_int
+        self.run, self.workspace_size = run, ws
+
+
+_BB = None
+
+
+def _bb_fns() -> _BBFns:
+    global _BB
+    if _BB is None:
+        _BB = _BBFns()
+    return _BB
+
+
+def _bb_alloc(q, k, v, chunk_size, rdd, output_dtype, has_d, new):
+    """The 12 outputs (DD None without d). new(shape, dtype) allocates one tensor."""
+    B, S, R, G, N, H, P, nch = _sizes(q, v, chunk_size)
+    C = chunk_size if chunk_size > 0 else 1  # (invalid sizes are reported by the library)
+    A = N // rdd if rdd > 0 else 1
+    dq_t = output_dtype or q.dtype
+    dk_t = output_dtype or k.dtype
+    dv_t = output_dtype or v.dtype
+    return (new((B, S * R, H, N), dq_t), new((B, S * R, H, N), dk_t), new((B, S, H, P), dv_t),
+            new((B, H, R, P), _f32), new((B, S, H, A), _f32), new((B, H, S), _f32),
+            new((B, H, S), _f32), new((B, H, S), _f32), new((B, H, nch, C, C), _f32),
+            new((B, H, S), _f32), new((B, H, S), _f32),
+            new((B, H), _f32) if has_d else None)
+
+
+def _bb_launch(ins, chunk_size, rdd, outs):
+    F = _BB or _bb_fns()
+    q = ins[1]
+    stream, ws, ws_bytes = None, None, 0
+    if q is not None and q.is_cuda:
+        # The library decides (today: MAMBA3_ERROR_UNSUPPORTED, as no CUDA kernels exist for this
+        # pass); the CPU path never runs on device memory.
+        dev = q.get_device()
+        if dev != torch.cuda.current_device():
+            with torch.cuda.device(dev):
+                return _bb_launch(ins, chunk_size, rdd, outs)
+        stream = stream_of(dev)
+        buf, a, kept = _pack(tuple(ins) + tuple(outs), _BB_NAMES, _BB_NIN, True)
+        n = ctypes.c_size_t(0)
+        rc = F.workspace_size(*a[:_BB_NIN], chunk_size, rdd, *a[_BB_NIN:], ctypes.byref(n))
+        if rc:
+            _lib.raise_status(rc)
+        ws_bytes = n.value
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device) if ws_bytes else None
+    buf, a, kept = _pack(tuple(ins) + tuple(outs), _BB_NAMES, _BB_NIN, True)
+    rc = F.run(*a[:_BB_NIN], chunk_size, rdd, *a[_BB_NIN:],
+               None if ws is None else ws.data_ptr(), ws_bytes, stream)
+    if rc:
+        _lib.raise_status(rc)
+
+
+def _bb_functional(ins, chunk_size, rdd, output_dtype):
+    q, k, v = ins[1], ins[2], ins[3]
+    _sizes(q, v, chunk_size)
+    required("k", k)
+    dev = q.device
+    outs = _bb_alloc(q, k, v, chunk_size, rdd, output_dtype, ins[16] is not None,
+                     lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
+    _bb_launch(ins, chunk_size, rdd, outs)
+    return outs
+
+
+@torch.library.custom_op("mamba3::mimo_bwd_bwd", mutates_args=())
+def _bb_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor, k_bias: Tensor,
+           mimo_v: Tensor, states: Tensor, qk_dot: Tensor, da_cs: Tensor, da_cs_rev: Tensor,
+           dt: Tensor, trap: Tensor, segsum: Tensor, angles: Tensor, mimo_o: Optional[Tensor],
+           d: Optional[Tensor], chunk_size: int, rotary_dim_divisor: int,
+           output_dtype: Optional[torch.dtype]
+           ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                      Tensor, Tensor, Tensor]:
+    ins = (dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt, trap,
+           segsum, angles, mimo_o, d)
+    return _placeholders(_bb_functional(ins, chunk_size, rotary_dim_divisor, output_dtype), q)
+
+
+@_bb_op.register_fake
+def _bb_op_fake(dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt,
+                trap, segsum, angles, mimo_o, d, chunk_size, rotary_dim_divisor, output_dtype):
+    if output_dtype is not None:
+        _check_output_dtype(output_dtype)
+    outs = _bb_alloc(q, k, v, chunk_size, rotary_dim_divisor, output_dtype, d is not None,
+                     lambda shape, dtype: q.new_empty(shape, dtype=dtype))
+    return _placeholders(outs, q)
+
+
+def mamba3_mimo_bwd_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor,
+                        k_bias: Tensor, mimo_v: Tensor, states: Tensor, qk_dot: Tensor,
+                        da_cs: Tensor, da_cs_rev: Tensor, dt: Tensor, trap: Tensor,
+                        segsum: Tensor, angles: Tensor, mimo_o: Optional[Tensor] = None,
+                        d: Optional[Tensor] = None, chunk_size: int = 16,
+                        rotary_dim_divisor: int = 4, output_dtype: Optional[torch.dtype] = None,
+                        *, D: Optional[Tensor] = None):
+    """The MIMO backward second pass: returns a dict over BWD_BWD_OUTPUTS (DD None without d).
+    See the module docstring for shapes, dtypes and the three dout layouts."""
+    d = d if D is None else _d_arg(d, D)
+    chunk_size = _index(chunk_size, "chunk_size")
+    rotary_dim_divisor = _index(rotary_dim_divisor, "rotary_dim_divisor")
+    if output_dtype is not None:
+        _check_output_dtype(output_dtype)
+    required("q", q)
+    ins = (dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt, trap,
+           segsum, angles, mimo_o, d)
+    if use_direct(q):
+        outs = _bb_functional(ins, chunk_size, rotary_dim_divisor, output_dtype)
+    else:
+        outs = _bb_op(*ins, chunk_size, rotary_dim_divisor, output_dtype)
+        outs = tuple(outs[:11]) + (outs[11] if d is not None else None,)
+    return dict(zip(BWD_BWD_OUTPUTS, outs))
+
+
+# ------------------------------------------------------------------------------ combined
+
+COMBINED_OUTPUTS = ("dq", "dk", "dv", "dadt", "ddt", "dtrap", "dq_bias", "dk_bias", "dmimo_v",
+                    "dmimo_z", "dmimo_o", "dangles", "dd", "dz", "dnorm_weight")
+_CB_NAMES = ("dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v", "mimo_o", "z", "mimo_z",
+             "angles", "da_cs", "da_cs_rev", "dt", "trap", "d", "segsum", "norm_weight"
+             ) + COMBINED_OUTPUTS
+_CB_NIN = 18  # (norm_weight travels with the inputs in the packed buffer)
+_CB_NOUT = 15
+
+
+class _CBFns:
+    def __init__(self):
+        lib = _lib.load()
+        try:
+            run = lib.lib.mamba3_mimo_bwd_combined
+        except AttributeError as e:
+            raise RuntimeError(f"{lib.path} has no mamba3_mimo_bwd_combined: {e}") from None
+        vp = ctypes.c_void_p
+        # 17 inputs, chunk_size, rotary_dim_divisor, norm_weight, norm_eps, 15 outputs,
+        # workspace, bytes, stream
+        run.argtypes = ([vp] * 17 + [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_double]
+                        + [vp] * _CB_NOUT + [vp, ctypes.c_size_t, vp])
+        run.restype = ctypes.c_int
+        self.run = run
+
+
+_CB = None
+
+
+def _cb_alloc(q, k, v, chunk_size, rdd, output_dtype, has_o, has_z, has_d, has_norm, new):
+    B, S, R, G, N, H, P, nch = _sizes(q, v, chunk_size)
+    A = N // rdd if rdd > 0 else 1
+    f = _f32
+    return (new((B, S, R, G, N), output_dtype or q.dtype),
+            new((B, S, R, G, N), output_dtype or k.dtype),
+            new((B, S, H, P), output_dtype or v.dtype),
+            new((B, H, S), f), new((B, H, S), f), new((B, H, S), f),
+            new((H, R, N), f), new((H, R, N), f), new((H, R, P), f),
+            new((H, R, P), f) if has_z else None,
+            new((H, R, P), f) if has_o else None,
+            new((B, S, H, A), f),
+            new((H,), f) if has_d else None,
+            new((B, S, H, P), output_dtype or v.dtype) if has_z else None,
+            new((H, P), f) if has_norm else None)
+
+
+def _cb_functional(ins, norm_eps, chunk_size, rdd, output_dtype):
+    global _CB
+    q, k, v = ins[1], ins[2], ins[3]
+    _sizes(q, v, chunk_size)
+    required("k", k)
+    dev = q.device
+    outs = _cb_alloc(q, k, v, chunk_size, rdd, output_dtype, ins[7] is not None,
+                     ins[8] is not None, ins[15] is not None, ins[17] is not None,
+                     lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
+    F = _CB or _CBFns()
+    _CB = F
+    stream = stream_of(q.get_device()) if q.is_cuda else None
+    buf, a, kept = _pack(tuple(ins) + tuple(outs), _CB_NAMES, _CB_NIN, True)
+    # The library refuses CUDA tensors for now (no kernels yet) and never runs the CPU path on
+    # them; it needs no workspace on the CPU.
+    rc = F.run(*a[:17], chunk_size, rdd, a[17], norm_eps, *a[_CB_NIN:], None, 0, stream)
+    if rc:
+        _lib.raise_status(rc)
+    return outs
+
+
+@torch.library.custom_op("mamba3::mimo_bwd_combined", mutates_args=())
+def _cb_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor, k_bias: Tensor,
+           mimo_v: Tensor, mimo_o: Optional[Tensor], z: Optional[Tensor],
+           mimo_z: Optional[Tensor], angles: Tensor, da_cs: Tensor, da_cs_rev: Tensor,
+           dt: Tensor, trap: Tensor, d: Optional[Tensor], segsum: Tensor, chunk_size: int,
+           rotary_dim_divisor: int, norm_weight: Optional[Tensor], norm_eps: float,
+           output_dtype: Optional[torch.dtype]
+           ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                      Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    ins = (dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, da_cs, da_cs_rev,
+           dt, trap, d, segsum, norm_weight)
+    return _placeholders(_cb_functional(ins, norm_eps, chunk_size, rotary_dim_divisor,
+                                        output_dtype), q)
+
+
+@_cb_op.register_fake
+def _cb_op_fake(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, da_cs,
+                da_cs_rev, dt, trap, d, segsum, chunk_size, rotary_dim_divisor, norm_weight,
+                norm_eps, output_dtype):
+    if output_dtype is not None:
+        _check_output_dtype(output_dtype)
+    outs = _cb_alloc(q, k, v, chunk_size, rotary_dim_divisor, output_dtype, mimo_o is not None,
+                     z is not None, d is not None, norm_weight is not None,
+                     lambda shape, dtype: q.new_empty(shape, dtype=dtype))
+    return _placeholders(outs, q)
+
+
+def mamba3_mimo_bwd_combined(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor,
+                             k_bias: Tensor, mimo_v: Tensor, mimo_o: Optional[Tensor],
+                             z: Optional[Tensor], mimo_z: Optional[Tensor], angles: Tensor,
+                             da_cs: Tensor, da_cs_rev: Tensor, dt: Tensor, trap: Tensor,
+                             d: Optional[Tensor], segsum: Tensor, chunk_size: int = 16,
+                             rotary_dim_divisor: int = 4, *,
+                             norm_weight: Optional[Tensor] = None, norm_eps: float = 1e-5,
+                             output_dtype: Optional[torch.dtype] = None,
+                             D: Optional[Tensor] = None):
+    """The combined MIMO backward (upstream's mamba_mimo_bwd_combined, argument and return
+    order included): (dq, dk, dv, dadt, ddt, dtrap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o,
+    dangles, dd, dz, dnorm_weight), None where the input is absent. dq, dk [B,S,R,G,N], dv and dz
+    in output_dtype (default: the dtype of q, k, v, v); the rest f32 (shapes:
+    include/mamba3/mamba3.h). norm_weight selects the fused pre-gate RMSNorm (upstream's
+    fuse_pregate_headwise_rms_norm with outproj_norm_weight). CPU tensors only for now."""
+    d = d if D is None else _d_arg(d, D)
+    chunk_size = _index(chunk_size, "chunk_size")
+    rotary_dim_divisor = _index(rotary_dim_divisor, "rotary_dim_divisor")
+    norm_eps = float(norm_eps)
+    if output_dtype is not None:
+        _check_output_dtype(output_dtype)
+    required("q", q)
+    ins = (dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, da_cs, da_cs_rev,
+           dt, trap, d, segsum, norm_weight)
+    if use_direct(q):
+        return tuple(_cb_functional(ins, norm_eps, chunk_size, rotary_dim_divisor, output_dtype))
+    outs = _cb_op(*ins[:17], chunk_size, rotary_dim_divisor, norm_weight, norm_eps, output_dtype)
+    present = (True,) * 9 + (z is not None, mimo_o is not None, True, d is not None,
+                             z is not None, norm_weight is not None)
+    return tuple(o if p else None for o, p in zip(outs, present))

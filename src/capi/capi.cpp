@@ -4,7 +4,9 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "core/mimo_bwd_bwd_params.hpp"
 #include "core/mimo_bwd_params.hpp"
+#include "core/mimo_combined_params.hpp"
 #include "core/siso_bwd_params.hpp"
 #include "cpu/mimo_bwd.hpp"
 #include "cpu/siso_bwd.hpp"
@@ -48,6 +50,14 @@ mamba3_status guarded(F&& f) {
               "backend (configure with -DMAMBA3_CUDA=ON)");
 }
 
+
+// Operators whose CUDA kernels do not exist yet refuse CUDA tensors in every build: the CPU
+// backend never runs on device memory.
+[[noreturn]] void no_cuda_kernels_yet(const char* op) {
+  MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, op,
+              ": tensors are on a CUDA device, but the CUDA backend of this operator is not built "
+              "yet (only CPU tensors are supported for now)");
+}
 
 }  // namespace
 
@@ -189,6 +199,100 @@ mamba3_status mamba3_mimo_bwd_fwd(
       no_cuda_build("mimo_bwd_fwd");
 #endif
     }
+  });
+}
+
+mamba3_status mamba3_mimo_bwd_bwd_workspace_size(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v,
+    const DLTensor* states, const DLTensor* qk_dot, const DLTensor* da_cs,
+    const DLTensor* da_cs_rev, const DLTensor* dt, const DLTensor* trap, const DLTensor* segsum,
+    const DLTensor* angles, const DLTensor* mimo_o, const DLTensor* d, int64_t chunk_size,
+    int64_t rotary_dim_divisor, const DLTensor* dq, const DLTensor* dk, const DLTensor* dv,
+    const DLTensor* dmimo_v, const DLTensor* dangles, const DLTensor* dfactor,
+    const DLTensor* dgamma, const DLTensor* dda, const DLTensor* dssda,
+    const DLTensor* dda_cs_rev, const DLTensor* dda_cs, const DLTensor* dd,
+    size_t* workspace_bytes) {
+  return guarded([&] {
+    using namespace mamba3;
+    MAMBA3_CHECK_ARG(workspace_bytes != nullptr, "workspace_bytes: output pointer is NULL");
+    *workspace_bytes = 0;
+    MimoBwdBwdParams p = make_mimo_bwd_bwd_params(
+        dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt, trap, segsum,
+        angles, mimo_o, d, chunk_size, rotary_dim_divisor, dq, dk, dv, dmimo_v, dangles, dfactor,
+        dgamma, dda, dssda, dda_cs_rev, dda_cs, dd);
+    if (p.device == DeviceKind::CUDA) no_cuda_kernels_yet("mimo_bwd_bwd");
+  });
+}
+
+mamba3_status mamba3_mimo_bwd_bwd(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v,
+    const DLTensor* states, const DLTensor* qk_dot, const DLTensor* da_cs,
+    const DLTensor* da_cs_rev, const DLTensor* dt, const DLTensor* trap, const DLTensor* segsum,
+    const DLTensor* angles, const DLTensor* mimo_o, const DLTensor* d, int64_t chunk_size,
+    int64_t rotary_dim_divisor, DLTensor* dq, DLTensor* dk, DLTensor* dv, DLTensor* dmimo_v,
+    DLTensor* dangles, DLTensor* dfactor, DLTensor* dgamma, DLTensor* dda, DLTensor* dssda,
+    DLTensor* dda_cs_rev, DLTensor* dda_cs, DLTensor* dd, void* workspace,
+    size_t workspace_bytes, void* stream) {
+  return guarded([&] {
+    using namespace mamba3;
+    (void)workspace, (void)workspace_bytes, (void)stream;
+    MimoBwdBwdParams p = make_mimo_bwd_bwd_params(
+        dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt, trap, segsum,
+        angles, mimo_o, d, chunk_size, rotary_dim_divisor, dq, dk, dv, dmimo_v, dangles, dfactor,
+        dgamma, dda, dssda, dda_cs_rev, dda_cs, dd);
+    if (p.device == DeviceKind::CPU)
+      cpu::mimo_bwd_bwd(p);
+    else
+      no_cuda_kernels_yet("mimo_bwd_bwd");
+  });
+}
+
+mamba3_status mamba3_mimo_bwd_combined_workspace_size(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v, const DLTensor* mimo_o,
+    const DLTensor* z, const DLTensor* mimo_z, const DLTensor* angles, const DLTensor* da_cs,
+    const DLTensor* da_cs_rev, const DLTensor* dt, const DLTensor* trap, const DLTensor* d,
+    const DLTensor* segsum, int64_t chunk_size, int64_t rotary_dim_divisor,
+    const DLTensor* norm_weight, double norm_eps, const DLTensor* dq, const DLTensor* dk,
+    const DLTensor* dv, const DLTensor* dadt, const DLTensor* ddt, const DLTensor* dtrap,
+    const DLTensor* dq_bias, const DLTensor* dk_bias, const DLTensor* dmimo_v,
+    const DLTensor* dmimo_z, const DLTensor* dmimo_o, const DLTensor* dangles, const DLTensor* dd,
+    const DLTensor* dz, const DLTensor* dnorm_weight, size_t* workspace_bytes) {
+  return guarded([&] {
+    using namespace mamba3;
+    MAMBA3_CHECK_ARG(workspace_bytes != nullptr, "workspace_bytes: output pointer is NULL");
+    *workspace_bytes = 0;
+    MimoCombinedParams p = make_mimo_combined_params(
+        dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, da_cs, da_cs_rev, dt,
+        trap, d, segsum, chunk_size, rotary_dim_divisor, norm_weight, norm_eps, dq, dk, dv, dadt,
+        ddt, dtrap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o, dangles, dd, dz, dnorm_weight);
+    if (p.fwd.device == DeviceKind::CUDA) no_cuda_kernels_yet("mimo_bwd_combined");
+  });
+}
+
+mamba3_status mamba3_mimo_bwd_combined(
+    const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* q_bias, const DLTensor* k_bias, const DLTensor* mimo_v, const DLTensor* mimo_o,
+    const DLTensor* z, const DLTensor* mimo_z, const DLTensor* angles, const DLTensor* da_cs,
+    const DLTensor* da_cs_rev, const DLTensor* dt, const DLTensor* trap, const DLTensor* d,
+    const DLTensor* segsum, int64_t chunk_size, int64_t rotary_dim_divisor,
+    const DLTensor* norm_weight, double norm_eps, DLTensor* dq, DLTensor* dk, DLTensor* dv,
+    DLTensor* dadt, DLTensor* ddt, DLTensor* dtrap, DLTensor* dq_bias, DLTensor* dk_bias,
+    DLTensor* dmimo_v, DLTensor* dmimo_z, DLTensor* dmimo_o, DLTensor* dangles, DLTensor* dd,
+    DLTensor* dz, DLTensor* dnorm_weight, void* workspace, size_t workspace_bytes, void* stream) {
+  return guarded([&] {
+    using namespace mamba3;
+    (void)workspace, (void)workspace_bytes, (void)stream;
+    MimoCombinedParams p = make_mimo_combined_params(
+        dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, da_cs, da_cs_rev, dt,
+        trap, d, segsum, chunk_size, rotary_dim_divisor, norm_weight, norm_eps, dq, dk, dv, dadt,
+        ddt, dtrap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o, dangles, dd, dz, dnorm_weight);
+    if (p.fwd.device == DeviceKind::CPU)
+      cpu::mimo_bwd_combined(p);
+    else
+      no_cuda_kernels_yet("mimo_bwd_combined");
   });
 }
 

@@ -527,3 +527,270 @@ def noncontiguous(inp):
         if inp[name] is not None:
             out[name] = relayout(inp[name], _LAYOUTS[i % len(_LAYOUTS)])
     return out
+
+
+# ------------------------------------------------------------------------------ second pass
+
+BB_OUTPUTS = ("DQ", "DK", "DV", "DMIMO_V", "DANGLES", "DFACTOR", "DGAMMA", "DDA", "DSSDA",
+              "DDA_CS_REV", "DDA_CS", "DD")
+BB_NEAR_ZERO = ("DANGLES", "DDA")  # the seed's nearly-zero outputs (compared with max_rel)
+BB_INPUTS = ("dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v", "states", "qk_dot", "da_cs",
+             "da_cs_rev", "dt", "trap", "segsum", "angles", "mimo_o", "d")
+
+
+def make_bwd_bwd_inputs(B, S, H, G, N, P, R, chunk_size=16, *, layout="reduce", cache=F32,
+                        seed=0, **kw):
+    """Inputs of mamba3_mimo_bwd_bwd as a dict (keys BB_INPUTS + chunk_size, rotary_dim_divisor,
+    layout): make_inputs' (no gate, no norm) with dout in `layout` ("reduce" [B,S,H,P] with
+    mimo_o, "rank" [B,S,R,H,P], "packed" [B,H,S*R,P]) and states / qk_dot the float64 first pass
+    of these inputs rounded to `cache` (as the first pass hands them over)."""
+    inp = make_inputs(B, S, H, G, N, P, R, chunk_size, reduce_o=layout == "reduce", seed=seed,
+                      **kw)
+    if layout == "packed":
+        d = inp["dout"]  # [B,S,R,H,P] -> [B,H,S*R,P]
+        inp["dout"] = d.permute(0, 3, 1, 2, 4).reshape(B, H, S * R, P).contiguous()
+    _, states, qk_dot = chunked_readout(inp, F64)
+    dev = inp["q"].device
+    inp.update(states=states.to(cache).to(dev), qk_dot=qk_dot.to(cache).to(dev), layout=layout)
+    return inp
+
+
+def bb_args(inp):
+    """Positional arguments of mamba3_mimo_bwd_bwd (through angles) and its keyword arguments."""
+    return ([inp[k] for k in BB_INPUTS[:15]],
+            dict(mimo_o=inp["mimo_o"], d=inp["d"], chunk_size=inp["chunk_size"],
+                 rotary_dim_divisor=inp["rotary_dim_divisor"]))
+
+
+def bwd_bwd_reference(inp, dtype=F64, output_dtype=None):
+    """Every output of mamba3_mimo_bwd_bwd as a dict over BB_OUTPUTS, from torch.autograd of the
+    chunked forward written with the factors the outputs are gradients of as leaves:
+    E = exp(da_cs) (DDA_CS), F = exp(da_cs_rev) (DDA_CS_REV), W = exp(segsum) masked to the
+    strictly lower triangle *before* it becomes the leaf (so its gradient is the unmasked
+    product upstream's DSSDA holds), the chunk decay exp(da_cs_last) (DDA = decay * its
+    gradient, repeated over the chunk), trap_scale (DFACTOR) and the diagonal's gamma (DGAMMA)
+    as two leaves, q / k per head (DQ / DK before the group sum), mimo_v and D per batch.
+
+    The given states and qk_dot enter by value where the first pass's would (the readout and
+    the decay's product, the diagonal term) while gradients flow through the recomputed ones
+    (x_given + (x - x.detach())), which is the golden's definition. The partial-chunk contract
+    is chunked_readout's (padding, rebuilt decays). With output_dtype (the fp32 reference), DQ /
+    DK / DV are cast to it (None: the dtypes of q, k, v)."""
+    C = inp["chunk_size"]
+    rdd = inp["rotary_dim_divisor"]
+    q, k, v = (inp[n].to(dtype) for n in ("q", "k", "v"))
+    B, S, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    A = N // rdd
+    nch = -(-S // C)
+    Sp = nch * C
+    dev = q.device
+    layout = inp["layout"]
+    leaves = {}
+
+    def leaf(name, t):
+        t = t.detach().to(dtype).clone().requires_grad_(True)
+        leaves[name] = t
+        return t
+
+    def pad_seq(t, dim, value=None):
+        n = Sp - S
+        if n == 0:
+            return t
+        shape = list(t.shape)
+        shape[dim] = n
+        fill = torch.zeros(shape, dtype=t.dtype, device=dev)
+        if value is not None:
+            fill = fill + value
+        return torch.cat((t, fill), dim)
+
+    with torch.enable_grad():
+        rep = H // G
+        qh_in = leaf("DQ", q.repeat_interleave(rep, dim=3))  # [B,S,R,H,N] per head
+        kh_in = leaf("DK", k.repeat_interleave(rep, dim=3))
+        v_l = leaf("DV", v)
+        mv = leaf("DMIMO_V", inp["mimo_v"].to(dtype).expand(B, H, R, P))
+        ang = leaf("DANGLES", inp["angles"].to(dtype))
+        qb = qh_in.permute(0, 3, 1, 2, 4) + inp["q_bias"].to(dtype)[None, :, None]  # [B,H,S,R,N]
+        kb = kh_in.permute(0, 3, 1, 2, 4) + inp["k_bias"].to(dtype)[None, :, None]
+        a = ang.permute(0, 2, 1, 3)[:, :, :, None]
+        qr, kr = _rot_half(qb, a), _rot_half(kb, a)
+        x = v_l.permute(0, 2, 1, 3)[:, :, :, None] * mv[:, :, None]  # [B,H,S,R,P]
+
+        dt, trap, da_cs = (inp[n].to(dtype) for n in ("dt", "trap", "da_cs"))
+        lam = torch.sigmoid(trap)
+        gamma = dt * lam
+        nxt = dt * (1 - lam)
+        shifted = torch.cat((nxt[..., 1:], torch.zeros_like(nxt[..., :1])), -1)
+        ts_l = leaf("DFACTOR", gamma + shifted)
+        gd_l = leaf("DGAMMA", gamma)
+
+        dcs = pad_seq(da_cs, 2, da_cs[..., -1:]).view(B, H, nch, C)
+        seg = inp["segsum"].to(dtype, copy=True)
+        rev = pad_seq(inp["da_cs_rev"].to(dtype, copy=True), 2).view(B, H, nch, C)
+        if S % C:
+            last = dcs[:, :, -1]
+            seg[:, :, -1] = last[..., :, None] - last[..., None, :]
+            rev[:, :, -1] = last[..., -1:] - last
+        tri = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)
+        zero = torch.zeros((), dtype=dtype, device=dev)
+        W = leaf("DSSDA", torch.where(tri, torch.exp(torch.where(tri, seg, zero)), zero))
+        E = leaf("DDA_CS", torch.exp(dcs))
+        Fv = leaf("DDA_CS_REV", torch.exp(rev))
+        decay = leaf("DDA", torch.exp(dcs[..., -1]))  # [B,H,nch]
+
+        qc = pad_seq(qr, 2).view(B, H, nch, C, R, N)
+        kc = pad_seq(kr, 2).view(B, H, nch, C, R, N)
+        xc = pad_seq(x, 2).view(B, H, nch, C, R, P)
+        tc = pad_seq(ts_l, 2).view(B, H, nch, C)
+        gc = pad_seq(gd_l, 2).view(B, H, nch, C)
+        qk = torch.einsum("bhsrn,bhsqn->bhsrq", qb, kb)
+        qk_used = inp["qk_dot"].to(dtype) + (qk - qk.detach())
+        qkc = pad_seq(qk_used, 2).view(B, H, nch, C, R, R)
+
+        scores = torch.einsum("bhctrn,bhcsqn->bhctrsq", qc, kc)
+        y = torch.einsum("bhctrsq,bhcts,bhcs,bhcsqp->bhctrp", scores, W, tc, xc)
+        y = y + gc[..., None, None] * torch.einsum("bhctrq,bhctqp->bhctrp", qkc, xc)
+        if inp["d"] is not None:
+            Dl = leaf("DD", inp["d"].to(dtype).expand(B, H))
+            y = y + Dl[:, :, None, None, None, None] * xc
+        contrib = torch.einsum("bhcsrn,bhcs,bhcsrp->bhcnp", kc, tc * Fv, xc)
+        given = inp["states"].to(dtype)
+        st = torch.zeros(B, H, N, P, dtype=dtype, device=dev)
+        used = []
+        for c in range(nch):
+            st = given[:, :, c] + (st - st.detach())
+            used.append(st)
+            st = decay[:, :, c, None, None] * st + contrib[:, :, c]
+        states = torch.stack(used, 2)
+        y = y + E[..., None, None] * torch.einsum("bhctrn,bhcnp->bhctrp", qc, states)
+        y = y.reshape(B, H, Sp, R, P)[:, :, :S]  # [B,H,S,R,P]
+
+        dout = inp["dout"].to(dtype)
+        if layout == "reduce":
+            g = dout.permute(0, 2, 1, 3)[:, :, :, None] * inp["mimo_o"].to(dtype)[None, :, None]
+        elif layout == "rank":
+            g = dout.permute(0, 3, 1, 2, 4)
+        else:
+            g = dout.view(B, H, S, R, P)
+        loss = (g * y).sum()
+        names = list(leaves)
+        # With one chunk nothing reads the decay or F (no later chunk): zero gradients.
+        got = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, got)}
+
+    res = dict.fromkeys(BB_OUTPUTS)
+    res["DQ"] = grads["DQ"].reshape(B, S * R, H, N)
+    res["DK"] = grads["DK"].reshape(B, S * R, H, N)
+    res["DV"] = grads["DV"]
+    res["DMIMO_V"] = grads["DMIMO_V"]
+    res["DANGLES"] = grads["DANGLES"]
+    res["DFACTOR"] = grads["DFACTOR"]
+    res["DGAMMA"] = grads["DGAMMA"]
+    dda = (decay * grads["DDA"]).detach()[..., None].expand(B, H, nch, C)
+    res["DDA"] = dda.reshape(B, H, Sp)[..., :S]
+    res["DSSDA"] = grads["DSSDA"].transpose(-1, -2)  # stored [c, key s, query t]
+    res["DDA_CS_REV"] = grads["DDA_CS_REV"].reshape(B, H, Sp)[..., :S]
+    res["DDA_CS"] = grads["DDA_CS"].reshape(B, H, Sp)[..., :S]
+    if inp["d"] is not None:
+        res["DD"] = grads["DD"]
+    out = {}
+    for n, t in res.items():
+        if t is None:
+            out[n] = None
+            continue
+        t = t.detach().contiguous()
+        if output_dtype is not None or dtype != F64:
+            if n in ("DQ", "DK", "DV"):
+                src = {"DQ": inp["q"], "DK": inp["k"], "DV": inp["v"]}[n]
+                t = t.to(output_dtype or src.dtype)
+            else:
+                t = t.to(F32)
+        out[n] = t
+    return out
+
+
+def bb_tol(inp, output_dtype):
+    dts = [inp[k].dtype for k in BB_INPUTS if inp[k] is not None]
+    dts += [output_dtype] if output_dtype is not None else [inp[k].dtype for k in ("q", "k", "v")]
+    return max(TOL[t] for t in dts if t in TOL)
+
+
+def check_bwd_bwd(out, inp, output_dtype=None):
+    """Compares every output of mamba3_mimo_bwd_bwd (a dict) with the float64 golden under the
+    dual rule; returns failure lines."""
+    gold = bwd_bwd_reference(inp, F64)
+    ref32 = bwd_bwd_reference(inp, F32, output_dtype)
+    assert tuple(out) == BB_OUTPUTS, tuple(out)
+    return check_outputs(BB_OUTPUTS, [out[n] for n in BB_OUTPUTS], gold, ref32,
+                         bb_tol(inp, output_dtype), near_zero=BB_NEAR_ZERO)
+
+
+# ------------------------------------------------------------------------------ combined
+
+COMBINED_OUTPUTS = ("dq", "dk", "dv", "dadt", "ddt", "dtrap", "dq_bias", "dk_bias", "dmimo_v",
+                    "dmimo_z", "dmimo_o", "dangles", "dd", "dz", "dnorm_weight")
+COMBINED_NEAR_ZERO = ("dangles", "dmimo_z")
+_RAW = {"dq": "q", "dk": "k", "dv": "v", "dadt": "_adt", "ddt": "dt", "dtrap": "trap",
+        "dq_bias": "q_bias", "dk_bias": "k_bias", "dmimo_v": "mimo_v", "dmimo_z": "mimo_z",
+        "dmimo_o": "mimo_o", "dangles": "angles", "dd": "d", "dz": "z",
+        "dnorm_weight": "norm_weight"}
+
+
+def combined_args(inp):
+    """Positional arguments of mamba3_mimo_bwd_combined (upstream's order) and its keywords."""
+    names = ("dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v", "mimo_o", "z", "mimo_z",
+             "angles", "da_cs", "da_cs_rev", "dt", "trap", "d", "segsum")
+    return ([inp[n] for n in names] + [inp["chunk_size"], inp["rotary_dim_divisor"]],
+            dict(norm_weight=inp["norm_weight"], norm_eps=inp["norm_eps"]))
+
+
+def combined_reference(inp, dtype=F64, output_dtype=None):
+    """The 15 gradients of mamba3_mimo_bwd_combined from torch.autograd of sum(dout * out), out
+    the chunked forward (chunked_readout + project) as a function of the raw inputs, with
+    da_cs / da_cs_rev / segsum computed from adt by dacs_segsum inside the graph (so dadt is
+    the gradient w.r.t. adt) but holding the values the operator is given (rounded to their
+    dtype: x_given + (x - x.detach())). With output_dtype (or dtype != float64) dq / dk / dv / dz
+    are cast to it (default the dtypes of q, k, v, v) and the rest to float32."""
+    C = inp["chunk_size"]
+    x = dict(inp)
+    leaves = {}
+    with torch.enable_grad():
+        for out, name in _RAW.items():
+            t = inp[name]
+            if t is None:
+                continue
+            t = t.detach().to(dtype).clone().requires_grad_(True)
+            leaves[out] = t
+            x[name] = t
+        # Values: the (rounded) decay inputs the operator is given; gradients: through adt.
+        derived = dacs_segsum(leaves["dadt"], C)
+        for name, t in zip(("da_cs", "da_cs_rev", "segsum"), derived):
+            x[name] = inp[name].to(dtype) + (t - t.detach())
+        y, _, _ = chunked_readout(x, dtype)
+        loss = (inp["dout"].to(dtype) * project(x, y, dtype)).sum()
+        names = list(leaves)
+        got = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+    res = dict.fromkeys(COMBINED_OUTPUTS)
+    for n, g in zip(names, got):
+        res[n] = torch.zeros_like(leaves[n]) if g is None else g.detach()
+    if dtype != F64 or output_dtype is not None:
+        for n, t in res.items():
+            if t is None:
+                continue
+            if n in ("dq", "dk", "dv", "dz"):
+                src = inp[{"dq": "q", "dk": "k", "dv": "v", "dz": "v"}[n]]
+                res[n] = t.to(output_dtype or src.dtype)
+            else:
+                res[n] = t.to(F32)
+    return {n: None if t is None else t.contiguous() for n, t in res.items()}
+
+
+def check_combined(out, inp, output_dtype=None):
+    gold = combined_reference(inp, F64)
+    ref32 = combined_reference(inp, F32, output_dtype)
+    dts = [inp[k].dtype for k in INPUTS if inp.get(k) is not None and k != "dout"]
+    dts += [inp["dout"].dtype] + ([output_dtype] if output_dtype is not None else [])
+    tol = max(TOL[t] for t in dts if t in TOL)
+    return check_outputs(COMBINED_OUTPUTS, list(out), gold, ref32, tol,
+                         near_zero=COMBINED_NEAR_ZERO)

@@ -1,6 +1,6 @@
-// Test/self-check harness of the MIMO backward first pass mamba3_mimo_bwd_fwd: one "case" = sizes
-// + dtypes + options. run_mimo_bwd_fwd_case() draws deterministic random inputs rounded to the
-// case's dtypes (da_cs, da_cs_rev and segsum derived from one random adt <= 0 by
+// Test/self-check harness of the MIMO backward operators. First pass mamba3_mimo_bwd_fwd: one
+// "case" = sizes + dtypes + options. run_mimo_bwd_fwd_case() draws deterministic random inputs
+// rounded to the case's dtypes (da_cs, da_cs_rev and segsum derived from one random adt <= 0 by
 // mimo_dacs_segsum, then rounded), computes the float64 golden and the float32 reference from
 // exactly those rounded values, runs the operator through the public C API on the chosen device
 // with NaN-poisoned outputs, and compares every output with the SPEC.md section 3 rule (per-batch
@@ -37,5 +37,34 @@ struct MimoBwdFwdCase {
 // Runs the case `repeats` times and also checks that all runs are bitwise identical (recorded as
 // an extra output row "bitwise_repeat" when repeats > 1).
 CaseReport run_mimo_bwd_fwd_case(const MimoBwdFwdCase& c, Device dev, int repeats = 1);
+
+// Second pass mamba3_mimo_bwd_bwd: inputs drawn and rounded as for the first pass; states and
+// qk_dot are the float64 first pass of those rounded inputs, rounded to `cache` (as the first
+// pass would hand them over); the golden and the float32 reference see exactly the rounded
+// values. Every one of the 12 outputs is compared (dangles and dda with max_rel, the seed's
+// nearly-zero outputs), the outputs are NaN-poisoned, and a repeat must be bitwise identical.
+enum class MimoDoutKind { ReduceO, PerRank, Packed };
+struct MimoBwdBwdCase {
+  int64_t B = 1, S = 64, H = 2, G = 1, N = 64, P = 64, R = 4, chunk = 16, rdd = 4;
+  IoType act = IoType::F32;    // dout, q, k, v
+  IoType param = IoType::F32;  // q_bias, k_bias, mimo_v, mimo_o, d
+  IoType decay = IoType::F32;  // angles, da_cs, da_cs_rev, dt, trap, segsum
+  IoType cache = IoType::F32;  // states, qk_dot (the first pass's output dtype)
+  IoType out = IoType::F32;    // dq, dk, dv (the other outputs are f32)
+  MimoDoutKind dout = MimoDoutKind::ReduceO;
+  bool d = false;              // D skip
+  int64_t pad = 0;             // pad the innermost dim of every input (non-contiguous views)
+  bool nan_unread = true;      // NaN where the operator must not read (as MimoBwdFwdCase)
+  uint64_t seed = 1;
+  std::string describe() const;
+};
+
+CaseReport run_mimo_bwd_bwd_case(const MimoBwdBwdCase& c, Device dev, int repeats = 1);
+
+// The combined backward mamba3_mimo_bwd_combined: a case is a first-pass case (the same inputs
+// and options; `out` is the dtype of dq, dk, dv and dz); all 15 gradients (those present) are
+// compared with the golden mimo_bwd_combined (dangles and dmimo_z with max_rel).
+using MimoCombinedCase = MimoBwdFwdCase;
+CaseReport run_mimo_bwd_combined_case(const MimoCombinedCase& c, Device dev, int repeats = 1);
 
 }  // namespace mamba3::golden
