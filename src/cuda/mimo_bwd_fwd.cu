@@ -9,6 +9,7 @@
 #include "cuda/common.cuh"
 #include "cuda/mimo_bwd.hpp"
 #include "cuda/mimo_bwd_fwd_kernels.cuh"
+#include "cuda/mimo_bwd_fwd_lean.cuh"
 
 namespace mamba3::cuda {
 namespace {
@@ -17,7 +18,7 @@ using mimo::kNT;
 using mimo::MbArgs;
 
 template <bool TC>
-__global__ void __launch_bounds__(kNT, 2) mimo_local_scan_kernel(const __grid_constant__ MbArgs a) {
+__global__ void __launch_bounds__(kNT, kNT <= 256 ? 2 : 1) mimo_local_scan_kernel(const __grid_constant__ MbArgs a) {
   extern __shared__ float4 smem4[];
   mimo::k1_body<TC>(a, reinterpret_cast<float*>(smem4));
 }
@@ -30,6 +31,37 @@ template <bool TC>
 __global__ void __launch_bounds__(kNT, 1) mimo_chunk_pass_kernel(const __grid_constant__ MbArgs a) {
   extern __shared__ float4 smem4[];
   mimo::k3_body<TC>(a, reinterpret_cast<float*>(smem4));
+}
+
+// The lean bf16 path (mimo_bwd_fwd_lean.cuh), one instantiation per state-tile count.
+template <int ST>
+__global__ void __launch_bounds__(kNT, 1) mimo_lean_local_scan_kernel(const __grid_constant__ MbArgs a) {
+  extern __shared__ float4 smem4[];
+  mimo::k1_lean_body<ST>(a, reinterpret_cast<float*>(smem4));
+}
+
+template <int ST>
+__global__ void __launch_bounds__(kNT, 1) mimo_lean_chunk_pass_kernel(const __grid_constant__ MbArgs a) {
+  extern __shared__ float4 smem4[];
+  mimo::k3_lean_body<ST>(a, reinterpret_cast<float*>(smem4));
+}
+
+using LeanKernel = void (*)(MbArgs);
+LeanKernel lean_k1(int st) {
+  switch (st) {
+    case 1: return mimo_lean_local_scan_kernel<1>;
+    case 2: return mimo_lean_local_scan_kernel<2>;
+    case 4: return mimo_lean_local_scan_kernel<4>;
+    default: return mimo_lean_local_scan_kernel<8>;
+  }
+}
+LeanKernel lean_k3(int st) {
+  switch (st) {
+    case 1: return mimo_lean_chunk_pass_kernel<1>;
+    case 2: return mimo_lean_chunk_pass_kernel<2>;
+    case 4: return mimo_lean_chunk_pass_kernel<4>;
+    default: return mimo_lean_chunk_pass_kernel<8>;
+  }
 }
 
 __global__ void __launch_bounds__(kNT) mimo_reduce_partials_kernel(const __grid_constant__ MbArgs a) {
@@ -99,7 +131,8 @@ void mimo_bwd_fwd(const MimoBwdFwdParams& p, void* workspace, size_t workspace_b
 
   const int64_t BH = p.B * p.H;
   if (pl.nseg > 1) {
-    auto k1 = pl.tc1 ? mimo_local_scan_kernel<true> : mimo_local_scan_kernel<false>;
+    auto k1 = pl.lean ? lean_k1(pl.lean)
+                      : pl.tc1 ? mimo_local_scan_kernel<true> : mimo_local_scan_kernel<false>;
     set_smem(reinterpret_cast<const void*>(k1), p.device_id, pl.smem1,
              "mimo_bwd_fwd: cudaFuncSetAttribute(local scan)");
     k1<<<static_cast<unsigned>(BH * pl.npt * pl.nsub), kNT, pl.smem1, st>>>(a);
@@ -108,7 +141,8 @@ void mimo_bwd_fwd(const MimoBwdFwdParams& p, void* workspace, size_t workspace_b
     mimo_segment_states_kernel<<<static_cast<unsigned>(BH * per_bh), kNT, 0, st>>>(a);
     check_launch("mimo_bwd_fwd: segment states kernel");
   }
-  auto k3 = pl.tc ? mimo_chunk_pass_kernel<true> : mimo_chunk_pass_kernel<false>;
+  auto k3 = pl.lean ? lean_k3(pl.lean)
+                    : pl.tc ? mimo_chunk_pass_kernel<true> : mimo_chunk_pass_kernel<false>;
   set_smem(reinterpret_cast<const void*>(k3), p.device_id, pl.smem3,
            "mimo_bwd_fwd: cudaFuncSetAttribute(chunk pass)");
   k3<<<static_cast<unsigned>(BH * pl.npt * pl.nseg), kNT, pl.smem3, st>>>(a);

@@ -49,7 +49,13 @@
 
 namespace mamba3::cuda::mimo {
 
-constexpr int kNT = 256;  // threads per CTA of every kernel
+#ifndef MAMBA3_MIMO_NT
+// 16 warps: the chunk pass runs one CTA per SM (its tiles take most of the shared memory), so
+// the warps of that CTA are all the latency hiding there is (H200: 1.86 -> 1.44 ms at the
+// reference shape against 8 warps).
+#define MAMBA3_MIMO_NT 512
+#endif
+constexpr int kNT = MAMBA3_MIMO_NT;  // threads per CTA of every kernel
 
 // ------------------------------------------------------------------ primitives
 
@@ -77,6 +83,31 @@ MB_DEV float mb_ld(const unsigned char* p, int64_t off, int dt) {
 #endif
   if (dt == 1) return __bfloat162float(__ushort_as_bfloat16(bits));
   return __half2float(__ushort_as_half(bits));
+}
+
+// Compile-time-typed load: DT is one of mb_ld's codes, or negative for the runtime dtype dt. A
+// typed load has no dtype branch, so the loads of a loop body issue back to back (one latency)
+// instead of one basic block, and one full memory latency, per element: the runtime branches
+// made the chunk pass wait on serialized global loads (half of its stall samples, ncu).
+template <int DT>
+MB_DEV float mb_ldt(const unsigned char* p, int64_t off, int dt) {
+  if constexpr (DT < 0) {
+    return mb_ld(p, off, dt);
+  } else if constexpr (DT == 2) {
+#if defined(__CUDA_ARCH__)
+    return __ldg(reinterpret_cast<const float*>(p) + off);
+#else
+    return reinterpret_cast<const float*>(p)[off];
+#endif
+  } else {
+#if defined(__CUDA_ARCH__)
+    const unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p) + off);
+#else
+    const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[off];
+#endif
+    if constexpr (DT == 1) return __bfloat162float(__ushort_as_bfloat16(bits));
+    else return __half2float(__ushort_as_half(bits));
+  }
 }
 
 MB_DEV void mb_st(unsigned char* p, int64_t off, int dt, float v) {
@@ -109,6 +140,14 @@ MB_DEV float ld4(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3
 MB_DEV float ld5(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3, int64_t i4) {
   return mb_ld(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3] + i4 * v.s[4], v.dt);
 }
+template <int DT>
+MB_DEV float ld4t(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+  return mb_ldt<DT>(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3], v.dt);
+}
+template <int DT>
+MB_DEV float ld5t(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3, int64_t i4) {
+  return mb_ldt<DT>(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3] + i4 * v.s[4], v.dt);
+}
 MB_DEV void st4(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3, float x) {
   mb_st(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3], v.dt, x);
 }
@@ -126,6 +165,8 @@ struct MbLayout {
   int St = 0, QhT = 0, KhT = 0, Khw = 0, X = 0, ScT = 0, Y = 0, W = 0;
   int da = 0, expda = 0, gamma = 0, tscale = 0, wk = 0, misc = 0, qkd = 0;
   int rstd = 0, rdot = 0, red = 0, qb = 0, kb = 0, mv = 0, mo = 0, mz = 0, nw = 0, acc = 0;
+  int ang = -1;  // lean path: cos and sin of the chunk's angles [2][C][A]
+  int zs = -1, ds = -1, ered = -1;  // lean path: staged z, dout; epilogue partials exchange
   int total = 0;  // floats
 };
 
@@ -136,6 +177,10 @@ struct MbArgs {
   // problem
   int B, S, H, G, N, P, R, C, nch, A, half, HG, Np;
   int reduce_o, has_z, has_d, has_norm;
+  int act_dt;  // dtype code shared by q, k, v, z, dout; -1 when they differ
+  int states_vec4;  // states rows take aligned 4-element stores (see write_state)
+  int scal_f32;  // da_cs, da_cs_rev, dt and trap are all float32 (typed loads)
+  int lgR;  // log2(R) when R is a power of two (the lean path), else -1
   float eps;
   // K3 tiles: Cb steps per block (nb blocks per chunk), Tb = Cb R rows, LT = row stride of the
   // transposed tiles; K1 tiles likewise; K5 rows per block.
@@ -272,7 +317,8 @@ struct MbCta {
 // Per-step scalars of chunk c (threads t < C): da_cs (padded with the last valid value),
 // exp(da_cs), gamma, trap_scale, the state-update weight tscale exp(da_cs_rev) (rebuilt from
 // da_cs in a partial chunk) and, in misc[0..1], the chunk decay exp(da_last) and da_last.
-MB_DEV void chunk_scalars(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
+template <int DT>
+MB_DEV void chunk_scalars_t(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   const int t = mb_tid();
   if (t >= a.C) return;
   const int s0 = c * a.C;
@@ -280,19 +326,23 @@ MB_DEV void chunk_scalars(const MbArgs& a, const MbLayout& L, float* sm, const M
   const bool partial = Lc < a.C;
   const int gi = s0 + t;
   const bool valid = t < Lc;
-  const float da_last = ld3(a.da_cs, k.b, k.h, s0 + Lc - 1);
-  const float dav = valid ? ld3(a.da_cs, k.b, k.h, gi) : da_last;
+  // All loads first, at clamped positions (one latency, not a chain of them).
+  const int gl = s0 + Lc - 1, gv = valid ? gi : gl, gn = min(gi + 1, a.S - 1);
+  auto at = [&](const MbView& v, int pos) {
+    return mb_ldt<DT>(v.p, k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(pos) * v.s[2], v.dt);
+  };
+  const float da_last = at(a.da_cs, gl), dav = at(a.da_cs, gv);
+  const float dtv = at(a.dt, gv), trv = at(a.trap, gv), dtn = at(a.dt, gn), trn = at(a.trap, gn);
+  const float rev_in = at(a.da_cs_rev, gv);
   sm[L.da + t] = dav;
   sm[L.expda + t] = expf(dav);
   float gam = 0.f, ts = 0.f, w = 0.f;
   if (valid) {
-    const float dtv = ld3(a.dt, k.b, k.h, gi);
-    gam = dtv * sigmoid_f(ld3(a.trap, k.b, k.h, gi));
+    gam = dtv * sigmoid_f(trv);
     // The trapezoid's second half belongs to the next step; none after the sequence's last.
-    float nxt = 0.f;
-    if (gi + 1 < a.S) nxt = ld3(a.dt, k.b, k.h, gi + 1) * (1.f - sigmoid_f(ld3(a.trap, k.b, k.h, gi + 1)));
+    const float nxt = gi + 1 < a.S ? dtn * (1.f - sigmoid_f(trn)) : 0.f;
     ts = gam + nxt;
-    const float rev = partial ? da_last - dav : ld3(a.da_cs_rev, k.b, k.h, gi);
+    const float rev = partial ? da_last - dav : rev_in;
     w = ts * expf(rev);
   }
   sm[L.gamma + t] = gam;
@@ -302,6 +352,11 @@ MB_DEV void chunk_scalars(const MbArgs& a, const MbLayout& L, float* sm, const M
     sm[L.misc] = expf(da_last);
     sm[L.misc + 1] = da_last;
   }
+}
+
+MB_DEV void chunk_scalars(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
+  if (a.scal_f32) chunk_scalars_t<2>(a, L, sm, k, c);
+  else chunk_scalars_t<-1>(a, L, sm, k, c);
 }
 
 // Intra-chunk weights W[t][s] = tscale_s exp(segsum[t, s]) for s < t (0 elsewhere); a partial
@@ -321,43 +376,69 @@ MB_DEV void chunk_weights(const MbArgs& a, const MbLayout& L, float* sm, const M
   }
 }
 
-// Builds the tiles of block `blk` (steps blk*Cb .. +Cb of chunk c): q biased and unrotated into
-// Qh^T (mode_q 1); k biased into Kh^T unrotated (mode_k 1) or rotated (mode_k 2); rotated k
-// times the state-update weight into Kw (want_kw); x = v * mimo_v into X (want_x). Steps past
-// the sequence end are zero rows (the zero padding of the tail contract).
-MB_DEV void build_block(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c,
-                        int blk, int Cb, int LT, int mode_q, int mode_k, bool want_kw,
-                        bool want_x) {
+constexpr int kMaxR = 8;  // the largest MIMO rank (checked in make_mimo_bwd_fwd_params)
+
+template <int DT>
+MB_DEV void build_block_t(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c,
+                          int blk, int Cb, int LT, int mode_q, int mode_k, bool want_kw,
+                          bool want_x) {
   const int s0 = c * a.C;
   const int Lc = min(a.C, a.S - s0);
   const int R = a.R, half = a.half, Np = a.Np;
   (void)Np;
   if (mode_q || mode_k || want_kw) {
+    const bool need_k = mode_k || want_kw;
+    const bool need_rot = mode_k == 2 || want_kw;
+    const int64_t hq = static_cast<int64_t>(half) * a.q.s[4];
+    const int64_t hk = static_cast<int64_t>(half) * a.k.s[4];
     for (int u = mb_tid(); u < Cb * half; u += kNT) {
       const int tl = u / half, n = u - tl * half;
       const int t = blk * Cb + tl;
       const bool valid = t < Lc;
       const int64_t gi = s0 + t;
       const bool rot = n < a.A;
+      // Every global load of the task first (they issue together), then the arithmetic.
+      const float ang = valid && rot && need_rot ? ld4(a.angles, k.b, gi, k.h, n) : 0.f;
+      float qa[kMaxR], qb[kMaxR], ka[kMaxR], kb[kMaxR];
+#pragma unroll
+      for (int r = 0; r < kMaxR; ++r) {
+        qa[r] = qb[r] = ka[r] = kb[r] = 0.f;
+        if (r < R && valid) {
+          if (mode_q) {
+            const int64_t o = k.b * a.q.s[0] + gi * a.q.s[1] + r * a.q.s[2] + k.g * a.q.s[3] +
+                              n * a.q.s[4];
+            qa[r] = mb_ldt<DT>(a.q.p, o, a.q.dt);
+            qb[r] = mb_ldt<DT>(a.q.p, o + hq, a.q.dt);
+          }
+          if (need_k) {
+            const int64_t o = k.b * a.k.s[0] + gi * a.k.s[1] + r * a.k.s[2] + k.g * a.k.s[3] +
+                              n * a.k.s[4];
+            ka[r] = mb_ldt<DT>(a.k.p, o, a.k.dt);
+            kb[r] = mb_ldt<DT>(a.k.p, o + hk, a.k.dt);
+          }
+        }
+      }
       float cs = 1.f, sn = 0.f;
-      if (valid && rot && (mode_k == 2 || want_kw)) sincosf(ld4(a.angles, k.b, gi, k.h, n), &sn, &cs);
+      if (valid && rot && need_rot) sincosf(ang, &sn, &cs);
       const float wk = want_kw ? sm[L.wk + t] : 0.f;
-      for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int r = 0; r < kMaxR; ++r) {
+        if (r >= R) break;
         const int i = tl * R + r;
         if (mode_q) {
           float q1 = 0.f, q2 = 0.f;
           if (valid) {
-            q1 = ld5(a.q, k.b, gi, r, k.g, n) + sm[L.qb + r * Np + n];
-            q2 = ld5(a.q, k.b, gi, r, k.g, n + half) + sm[L.qb + r * Np + n + half];
+            q1 = qa[r] + sm[L.qb + r * Np + n];
+            q2 = qb[r] + sm[L.qb + r * Np + n + half];
           }
           sm[L.QhT + n * LT + i] = q1;
           sm[L.QhT + (n + half) * LT + i] = q2;
         }
-        if (mode_k || want_kw) {
+        if (need_k) {
           float k1 = 0.f, k2 = 0.f;
           if (valid) {
-            k1 = ld5(a.k, k.b, gi, r, k.g, n) + sm[L.kb + r * Np + n];
-            k2 = ld5(a.k, k.b, gi, r, k.g, n + half) + sm[L.kb + r * Np + n + half];
+            k1 = ka[r] + sm[L.kb + r * Np + n];
+            k2 = kb[r] + sm[L.kb + r * Np + n + half];
           }
           float r1 = k1, r2 = k2;
           if (rot) {
@@ -385,13 +466,36 @@ MB_DEV void build_block(const MbArgs& a, const MbLayout& L, float* sm, const MbC
   }
   if (want_x) {
     const int Pv = k.Pv, Ppt = a.Ppt, LP = a.LP;
+#pragma unroll 4
     for (int u = mb_tid(); u < Cb * Pv; u += kNT) {
       const int tl = u / Pv, p = u - tl * Pv;
       const int t = blk * Cb + tl;
-      const float vv = t < Lc ? ld4(a.v, k.b, s0 + t, k.h, k.p0 + p) : 0.f;
+      const float vv = t < Lc ? ld4t<DT>(a.v, k.b, s0 + t, k.h, k.p0 + p) : 0.f;
       for (int r = 0; r < R; ++r) sm[L.X + (tl * R + r) * LP + p] = vv * sm[L.mv + r * Ppt + p];
     }
   }
+}
+
+// Calls F<DT>(args...) with DT = a.act_dt, the dtype shared by q, k, v, z and dout (-1: they
+// differ, runtime-typed loads). One uniform branch per call, not one per element.
+#define MB_ACT_DISPATCH(F, ...)                \
+  do {                                         \
+    switch (a.act_dt) {                        \
+      case 0: F<0>(__VA_ARGS__); break;        \
+      case 1: F<1>(__VA_ARGS__); break;        \
+      case 2: F<2>(__VA_ARGS__); break;        \
+      default: F<-1>(__VA_ARGS__); break;      \
+    }                                          \
+  } while (0)
+
+// Builds the tiles of block `blk` (steps blk*Cb .. +Cb of chunk c): q biased and unrotated into
+// Qh^T (mode_q 1); k biased into Kh^T unrotated (mode_k 1) or rotated (mode_k 2); rotated k
+// times the state-update weight into Kw (want_kw); x = v * mimo_v into X (want_x). Steps past
+// the sequence end are zero rows (the zero padding of the tail contract).
+MB_DEV void build_block(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c,
+                        int blk, int Cb, int LT, int mode_q, int mode_k, bool want_kw,
+                        bool want_x) {
+  MB_ACT_DISPATCH(build_block_t, a, L, sm, k, c, blk, Cb, LT, mode_q, mode_k, want_kw, want_x);
 }
 
 // Same-step dots qk_dot[t, r, r'] of the unrotated biased q/k of block blk (the rotation is
@@ -693,8 +797,9 @@ MB_DEV void kahan_add(float* s, float* comp, float x) {
 
 // RMSNorm row statistics (whole P in this CTA): rstd = 1/sqrt(mean y^2 + eps) and
 // rdot = mean(dL/dxhat * xhat). Two phases with barriers; every thread must call it.
-MB_DEV void epi_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
-                           const MbEpi& e, int ys, int Ppt) {
+template <int DT>
+MB_DEV void epi_norm_stats_t(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
+                             const MbEpi& e, int ys, int Ppt) {
   const int R = a.R, Tbk = e.Cbk * R, P = a.P;
   int tpr = 1;  // threads per row
   while (tpr * 2 * Tbk <= kNT && tpr < 64) tpr *= 2;
@@ -706,8 +811,8 @@ MB_DEV void epi_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, const 
       const int64_t gi = e.gt0 + tl;
       for (int p = sl; p < P; p += tpr) {
         const float y = sm[L.Y + i * ys + p];
-        const float d = ld4(a.dout, k.b, gi, k.h, p);
-        const float u = ld4(a.z, k.b, gi, k.h, p) * sm[L.mz + r * Ppt + p];
+        const float d = ld4t<DT>(a.dout, k.b, gi, k.h, p);
+        const float u = ld4t<DT>(a.z, k.b, gi, k.h, p) * sm[L.mz + r * Ppt + p];
         const float gate = u * sigmoid_f(u);
         const float dxhat = d * sm[L.mo + r * Ppt + p] * gate * sm[L.nw + p];
         ss = fmaf(y, y, ss);
@@ -731,9 +836,15 @@ MB_DEV void epi_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, const 
   mb_sync();
 }
 
+MB_DEV void epi_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
+                           const MbEpi& e, int ys, int Ppt) {
+  MB_ACT_DISPATCH(epi_norm_stats_t, a, L, sm, k, e, ys, Ppt);
+}
+
 // dz (and dout_pre_rms) of the block: one thread per (step, column), summing over the ranks.
-MB_DEV void epi_rows(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
-                     const MbEpi& e, int ys, int Ppt) {
+template <int DT>
+MB_DEV void epi_rows_t(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
+                       const MbEpi& e, int ys, int Ppt) {
   if (!a.has_z) return;  // nothing per element without the gate (the norm requires it)
   const int R = a.R, Pv = k.Pv;
   for (int u = mb_tid(); u < e.Cbk * Pv; u += kNT) {
@@ -741,14 +852,14 @@ MB_DEV void epi_rows(const MbArgs& a, const MbLayout& L, float* sm, const MbCta&
     if (tl >= e.nvalid) continue;
     const int64_t gi = e.gt0 + tl;
     const int64_t pg = k.p0 + p;
-    const float d = a.reduce_o ? ld4(a.dout, k.b, gi, k.h, pg) : 0.f;
-    const float zz = ld4(a.z, k.b, gi, k.h, pg);
+    const float d = a.reduce_o ? ld4t<DT>(a.dout, k.b, gi, k.h, pg) : 0.f;
+    const float zz = ld4t<DT>(a.z, k.b, gi, k.h, pg);
     float dzs = 0.f;
     for (int r = 0; r < R; ++r) {
       const int i = tl * R + r;
       const float y = sm[L.Y + i * ys + p];
       const float mzv = sm[L.mz + r * Ppt + p];
-      const float dr = a.reduce_o ? d * sm[L.mo + r * Ppt + p] : ld5(a.dout, k.b, gi, r, k.h, pg);
+      const float dr = a.reduce_o ? d * sm[L.mo + r * Ppt + p] : ld5t<DT>(a.dout, k.b, gi, r, k.h, pg);
       const float u2 = zz * mzv;
       const float sg = sigmoid_f(u2);
       const float dsilu = sg * (1.f + u2 * (1.f - sg));
@@ -768,10 +879,16 @@ MB_DEV void epi_rows(const MbArgs& a, const MbLayout& L, float* sm, const MbCta&
   }
 }
 
+MB_DEV void epi_rows(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
+                     const MbEpi& e, int ys, int Ppt) {
+  MB_ACT_DISPATCH(epi_rows_t, a, L, sm, k, e, ys, Ppt);
+}
+
 // Per-(rank, column) partial sums over the block's steps, Kahan-compensated, in acc (shared
 // memory; each thread always owns the same entries).
-MB_DEV void epi_partials(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
-                         const MbEpi& e, int ys, int Ppt) {
+template <int DT>
+MB_DEV void epi_partials_t(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
+                           const MbEpi& e, int ys, int Ppt) {
   if (!a.reduce_o && !a.has_z) return;
   const int R = a.R, Pv = k.Pv;
   const int RP = R * Ppt;
@@ -785,16 +902,18 @@ MB_DEV void epi_partials(const MbArgs& a, const MbLayout& L, float* sm, const Mb
     const float mov = a.reduce_o ? sm[L.mo + slot] : 0.f;
     const float mzv = a.has_z ? sm[L.mz + slot] : 0.f;
     const float nwp = a.has_norm ? sm[L.nw + p] : 1.f;
+    // Unrolled so that the typed global loads of several steps are in flight together.
+#pragma unroll 4
     for (int tl = 0; tl < e.nvalid; ++tl) {
       const int64_t gi = e.gt0 + tl;
       const int i = tl * R + r;
       const float y = sm[L.Y + i * ys + p];
-      const float d = a.reduce_o ? ld4(a.dout, k.b, gi, k.h, pg) : ld5(a.dout, k.b, gi, r, k.h, pg);
+      const float d = a.reduce_o ? ld4t<DT>(a.dout, k.b, gi, k.h, pg) : ld5t<DT>(a.dout, k.b, gi, r, k.h, pg);
+      const float zz = a.has_z ? ld4t<DT>(a.z, k.b, gi, k.h, pg) : 0.f;
       if (!a.has_z) {  // reduce-O without a gate
         kahan_add(so, so + RP, d * y);
         continue;
       }
-      const float zz = ld4(a.z, k.b, gi, k.h, pg);
       const float u = zz * mzv;
       const float sg = sigmoid_f(u);
       const float gate = u * sg;
@@ -810,6 +929,11 @@ MB_DEV void epi_partials(const MbArgs& a, const MbLayout& L, float* sm, const Mb
       kahan_add(sz, sz + RP, dr * yg * dsilu * zz);
     }
   }
+}
+
+MB_DEV void epi_partials(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
+                         const MbEpi& e, int ys, int Ppt) {
+  MB_ACT_DISPATCH(epi_partials_t, a, L, sm, k, e, ys, Ppt);
 }
 
 // Writes this CTA's partial sums (its columns) to ws_part[bhi][seg].
@@ -828,6 +952,41 @@ MB_DEV void write_partials(const MbArgs& a, const MbLayout& L, const float* sm, 
 }
 
 // ------------------------------------------------------------------ kernel bodies
+
+// states[b, h, c, :, p0 .. p0 + Pv) = St. Four columns per thread and one 8- or 16-byte store
+// when the layout allows (a.states_vec4): per-element stores with 64-bit index arithmetic were
+// 7% of the chunk pass's instructions.
+MB_DEV void write_state(const MbArgs& a, const float* St, int LP, const MbCta& k, int c) {
+  const int N = a.N, Pv = k.Pv;
+  if (!a.states_vec4) {
+    for (int e = mb_tid(); e < N * Pv; e += kNT) {
+      const int n = e / Pv, p = e - n * Pv;
+      st5(a.states, k.b, k.h, c, n, k.p0 + p, St[n * LP + p]);
+    }
+    return;
+  }
+  const MbView& o = a.states;
+  const int pq = Pv / 4;
+  const int64_t base = k.b * o.s[0] + k.h * o.s[1] + static_cast<int64_t>(c) * o.s[2] + k.p0;
+  for (int e = mb_tid(); e < N * pq; e += kNT) {
+    const int n = e / pq, p = (e - n * pq) * 4;
+    const float4 v = *reinterpret_cast<const float4*>(St + n * LP + p);
+    const int64_t off = base + n * o.s[3] + p;
+    if (o.dt == 2) {
+      *reinterpret_cast<float4*>(reinterpret_cast<float*>(o.p) + off) = v;
+    } else {
+      uint2 w;
+      if (o.dt == 1) {
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+        w.x = *reinterpret_cast<const uint32_t*>(&lo), w.y = *reinterpret_cast<const uint32_t*>(&hi);
+      } else {
+        const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+        w.x = *reinterpret_cast<const uint32_t*>(&lo), w.y = *reinterpret_cast<const uint32_t*>(&hi);
+      }
+      *reinterpret_cast<uint2*>(reinterpret_cast<unsigned short*>(o.p) + off) = w;
+    }
+  }
+}
 
 MB_DEV void zero_smem(float* sm, int total) {
   for (int e = mb_tid(); e < total; e += kNT) sm[e] = 0.f;
@@ -942,11 +1101,7 @@ MB_DEV void k3_body(const MbArgs& a, float* sm) {
     const int Lc = min(a.C, a.S - s0);
     mb_sync();
     chunk_scalars(a, L, sm, k, c);
-    // The state entering the chunk.
-    for (int e = mb_tid(); e < N * Pv; e += kNT) {
-      const int n = e / Pv, p = e - n * Pv;
-      st5(a.states, k.b, k.h, c, n, k.p0 + p, sm[L.St + n * LP + p]);
-    }
+    write_state(a, sm + L.St, LP, k, c);
     mb_sync();
     chunk_weights(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
@@ -1166,15 +1321,82 @@ inline MbLayout layout_k5(int Np, int Pp, int R, int Cb) {
   return l;
 }
 
+// Shared-memory layout of the lean kernels (floats). The bf16 planes take the general layout's
+// tile fields: QhT -> Qh, KhT -> Kh, Khw -> Xw, ScT -> Sc.
+inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bool angles,
+                            bool full) {
+  MbLayout l;
+  const int T = C * R;
+  int off = 0;
+  auto take = [&](int n) {
+    const int o = off;
+    off += mb_up4(n);
+    return o;
+  };
+  // A split tile of rows x (cols + 8) bf16 pairs is rows * (cols + 8) floats.
+  auto planes = [&](int rows, int cols) { return take(rows * (cols + 8)); };
+  l.QhT = l.ScT = l.X = l.St = l.Y = l.W = l.qkd = l.qb = -1;
+  l.rstd = l.rdot = l.red = l.mo = l.mz = l.nw = l.acc = -1;
+  l.KhT = planes(T, N);
+  l.Khw = planes(T, P);
+  if (full) {
+    l.QhT = planes(T, N);
+    l.X = planes(T, P);
+    l.St = planes(N, P);
+    l.ScT = planes(T, T);
+    l.Y = take(T * mb_stride(P));
+    l.W = take(C * C);
+  }
+  l.da = take(C);
+  l.expda = take(C);
+  l.gamma = take(C);
+  l.tscale = take(C);
+  l.wk = take(C);
+  l.misc = take(4);
+  l.kb = take(R * N);
+  l.mv = take(R * P);
+  if (angles) l.ang = take(2 * C * A);
+  if (full) {
+    // Staged bf16 rows (two per float): z [C][P], dout [C][P] (reduce-O) or [C R][P].
+    l.zs = take(C * P / 2);
+    l.ds = take((reduce_o ? C : C * R) * P / 2);
+    // Per-thread partial sums exchanged in the epilogue: the Qh and X planes (adjacent) are
+    // dead by then.
+    l.ered = T * (N + 8) + T * (P + 8) >= 3 * R * kNT ? l.QhT : take(3 * R * kNT);
+    l.qb = take(R * N);
+    l.rstd = take(T);
+    l.rdot = take(T);
+    l.red = take(2 * std::max(kNT, T));
+    l.mo = take(R * P);
+    l.mz = take(R * P);
+    l.nw = take(P);
+    l.acc = take(2 * kParts * R * P);
+  }
+  l.total = off;
+  return l;
+}
+
+// State tiles per warp the lean kernels need (0: the lean path does not apply).
+inline int lean_state_tiles(int N, int P) {
+  const int tiles = (N / 16) * (P / 16);
+  const int per = (tiles + kNT / 32 - 1) / (kNT / 32);
+  for (int st : {1, 2, 4, 8})
+    if (per <= st) return st;
+  return 0;
+}
+
 // Sizes and options the plan depends on (from the checked params).
 struct MbProblem {
   int64_t B, S, H, G, N, P, R, C, A;
   bool reduce_o, has_z, has_d, has_norm;
   bool act16;  // q, k and v are 16-bit: the products may run on tensor cores
+  int act_dt;  // the dtype code shared by q, k, v (and z, dout), or -1
+  bool lean_io;  // bf16 q, k, v with unit last stride, even strides, 4-byte aligned (lean path)
 };
 
 struct MbPlan {
   bool ok = false;
+  int lean = 0;  // > 0: the lean bf16 kernels run K1 / K3, with this many state tiles per warp
   int Np, Cb, nb, Tb, LT, Cb1, nb1, Tb1, Cb5, Pt, npt, Ppt, Pp5, LP, LK, tc, tc1;
   int nseg, L3, nsub, L1, subs_per_seg, defer_epi;
   MbLayout l1, l3, l5;
@@ -1207,6 +1429,29 @@ inline MbPlan make_mimo_plan(const MbProblem& pr, const MbDevice& dev) {
     if (Pt <= 4 || ncand == 16) break;
   }
   bool found = false;
+  // The lean bf16 path (mimo_bwd_fwd_lean.cuh): whole chunks and the whole P in one CTA.
+  {
+    const int T = C * R;
+    const int st = lean_state_tiles(N, P);
+    if (pr.lean_io && (R & (R - 1)) == 0 && kNT % P == 0 && (T == 16 || T == 32 || T == 64) && N % 16 == 0 && P % 16 == 0 && st > 0) {
+      const int A = static_cast<int>(pr.A);
+      // With a per-chunk table of the angles' cos / sin when it fits, else without.
+      bool fits = false;
+      MbLayout l3, l1;
+      for (int with_ang = 1; with_ang >= 0 && !fits; --with_ang) {
+        l3 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, true);
+        l1 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, false);
+        fits = static_cast<size_t>(l3.total) * 4 <= budget;
+      }
+      if (fits) {
+        found = true;
+        pl.lean = st;
+        pl.Pt = P, pl.Ppt = P, pl.LP = mb_stride(P), pl.Cb = C, pl.LT = T + 8, pl.l3 = l3;
+        pl.defer_epi = 0;
+        pl.Cb1 = C, pl.l1 = l1;
+      }
+    }
+  }
   for (int ci = 0; ci < ncand && !found; ++ci) {
     const int Pt = cands[ci], Ppt = tcw ? mb_up(Pt, 8) : mb_up4(Pt), LP = mb_stride(Ppt);
     for (int Cb = C; Cb >= 4 && !found; Cb /= 2) {
@@ -1228,8 +1473,8 @@ inline MbPlan make_mimo_plan(const MbProblem& pr, const MbDevice& dev) {
   pl.smem3 = static_cast<size_t>(pl.l3.total) * 4;
 
   // K1 tiles (same P tiles, its own step blocks).
-  pl.Cb1 = 0;
-  for (int Cb = C; Cb >= 4; Cb /= 2) {
+  if (!pl.lean) pl.Cb1 = 0;
+  for (int Cb = C; Cb >= 4 && !pl.lean; Cb /= 2) {
     const MbLayout l = layout_k1(pl.Np, pl.Ppt, R, C, Cb, pl.LP, pl.LK);
     if (static_cast<size_t>(l.total) * 4 <= budget) {
       pl.Cb1 = Cb, pl.l1 = l;
@@ -1322,6 +1567,20 @@ inline void apply_plan(const MbProblem& pr, const MbPlan& pl, void* ws, MbArgs* 
   a->nch = static_cast<int>((pr.S + pr.C - 1) / pr.C);
   a->A = static_cast<int>(pr.A), a->half = a->N / 2, a->HG = a->H / a->G, a->Np = pl.Np;
   a->reduce_o = pr.reduce_o, a->has_z = pr.has_z, a->has_d = pr.has_d, a->has_norm = pr.has_norm;
+  a->act_dt = pr.act_dt;
+  a->scal_f32 = a->da_cs.dt == 2 && a->da_cs_rev.dt == 2 && a->dt.dt == 2 && a->trap.dt == 2;
+  a->lgR = -1;
+  for (int l = 0; l < 4; ++l)
+    if ((1 << l) == a->R) a->lgR = l;
+  {
+    // Vector stores of the states: unit column stride, every other stride and the P tile
+    // start a multiple of 4 elements, a 16-byte aligned base.
+    const MbView& o = a->states;
+    const bool strides4 = o.s[4] == 1 && o.s[0] % 4 == 0 && o.s[1] % 4 == 0 && o.s[2] % 4 == 0 &&
+                          o.s[3] % 4 == 0;
+    a->states_vec4 = strides4 && pl.Pt % 4 == 0 && pr.P % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(o.p) % 16 == 0 && o.dt >= 0 && o.dt <= 2;
+  }
   a->Cb = pl.Cb, a->nb = pl.nb, a->Tb = pl.Tb, a->LT = pl.LT;
   a->Cb1 = pl.Cb1, a->nb1 = pl.nb1, a->Tb1 = pl.Tb1;
   a->LP = pl.LP, a->LK = pl.LK, a->tc = pl.tc, a->tc1 = pl.tc1;
@@ -1357,6 +1616,18 @@ inline MbProblem mb_problem(const MimoBwdFwdParams& p) {
   pr.C = p.C, pr.A = p.A;
   pr.reduce_o = p.reduce_o, pr.has_z = p.has_z, pr.has_d = p.has_d, pr.has_norm = p.has_norm;
   pr.act16 = p.q.dtype != DType::F32 && p.k.dtype != DType::F32 && p.v.dtype != DType::F32;
+  const DType d0 = p.q.dtype;
+  const bool same = p.k.dtype == d0 && p.v.dtype == d0 && p.dout.dtype == d0 &&
+                    (!p.has_z || p.z.dtype == d0);
+  pr.act_dt = same ? static_cast<int>(d0) : -1;
+  auto pairs = [](const TensorView& t, int ndim) {  // bf16 pairs along the last dim
+    if (t.strides[ndim - 1] != 1 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
+    for (int d = 0; d + 1 < ndim; ++d)
+      if (t.strides[d] % 2 != 0) return false;
+    return true;
+  };
+  pr.lean_io = pr.act_dt == static_cast<int>(DType::BF16) && pairs(p.q, 5) && pairs(p.k, 5) &&
+               pairs(p.v, 4) && pairs(p.dout, p.dout.ndim) && (!p.has_z || pairs(p.z, 4));
   return pr;
 }
 
