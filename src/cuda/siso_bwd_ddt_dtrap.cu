@@ -2,10 +2,15 @@
 //
 // One launch on the caller's stream; with input states its blocks do two independent jobs (so
 // that they overlap):
-// * state blocks (only with input states; the first nseq*H blocks): one per (sequence, head),
-//   copies d_issm_state, computes d_input_v/d_input_k and the scalar's gradient dsc, and writes
-//   ddt/dtrap at the sequence's first position itself. A warp issues the loads of all its rows
-//   before using any, so a block pays one memory latency, not one per row;
+// * state blocks (only with input states; the leading blocks): per (sequence, head), copy
+//   d_issm_state, compute d_input_v/d_input_k and the scalar's gradient dsc, and write ddt/dtrap
+//   at the sequence's first position themselves. A warp issues the loads of all its rows before
+//   using any, so a block pays one memory latency, not one per row. Generic layouts: one block
+//   per (sequence, head). Contiguous 16-byte aligned state rows take the vector path
+//   (ddt_state_vec: a cluster of kStateCluster blocks per (sequence, head) splitting the rows,
+//   16-byte loads/stores, all rows of a thread in flight at once, row dots reduced together,
+//   dsc carried to float64 precision, the blocks' column sums and dsc added through
+//   distributed shared memory in rank order);
 // * element blocks: ddt/dtrap from dscale, dgamma, dt, trap and dscale[t-1] of the same sequence
 //   (0 at a sequence start; the neighbour is read by the thread that owns t-1 as well, so it
 //   comes from L1/L2, not HBM). With float32 rows that are contiguous along S and 16-byte
@@ -22,10 +27,15 @@
 #include "cuda/cu_seqlens.cuh"
 #include "cuda/siso_bwd.hpp"
 
+#include <cooperative_groups.h>
+
 namespace mamba3::cuda {
 namespace {
 
+namespace cgrp = cooperative_groups;
+
 constexpr int kThreads = 256;
+constexpr int kStateCluster = 2;  // CTAs per (sequence, head) on the vector state path
 
 struct DdtArgs {
   int64_t B, H, S, P, N;
@@ -48,6 +58,7 @@ struct DdtArgs {
   float* ovs;  // d_input_v_state
   int64_t ovs_sq, ovs_sh, ovs_sp;
   CuSeqlens cu;
+  int st_ng;             // vector state path: 16-byte column groups per row (see ddt_state_vec)
   int64_t state_blocks;  // leading blocks that do the state job
   int vec4;              // element job: 4 positions per thread (see the file comment)
 };
@@ -307,6 +318,217 @@ __device__ __forceinline__ void ddt_state_block(const DdtArgs& a, int64_t idx) {
   }
 }
 
+// Transposed butterfly (as in the dqktheta kernel) with a run-time first mask m = NG/2 >= K/2:
+// K values summed over the NG lanes of a row; each exchange moves half of the remaining values.
+// Afterwards lane cg holds in v[0] the sum of value cg / (NG / K). Fixed order.
+template <int K>
+__device__ __forceinline__ void row_reduce_rt(double* v, int cg, int m) {
+  if constexpr (K > 1) {
+    const bool up = (cg & m) != 0;
+#pragma unroll
+    for (int j = 0; j < K / 2; ++j) {
+      const double send = up ? v[j] : v[j + K / 2];
+      const double keep = up ? v[j + K / 2] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+    }
+    row_reduce_rt<K / 2>(v, cg, m >> 1);
+  } else {
+    for (; m >= 1; m >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], m);
+  }
+}
+
+// State job, vector path (d_issm_state rows contiguous along N and 16-byte aligned, N*size a
+// multiple of 16 with NG = N*size/16 a power of two <= 32): thread (rs, cg) = (tid / NG, tid % NG)
+// owns the 16-byte column group cg of its block's rows number rs, rs + RS, ... (RS = 256 / NG;
+// block `rank` of the cluster takes the rows p = rank + kStateCluster * q). Every load of the
+// block (the state rows in batches of up to R per thread, k, v, dt, trap, dscale, dgamma at the
+// first position) is issued before any is used, so a block pays about one memory latency.
+// Row dots are summed over the NG lanes of a row with shuffles, the column sums over the RS row
+// slots with shuffles, then across warps in shared memory, then across the cluster's blocks in
+// rank order; dsc likewise: fixed orders throughout (deterministic).
+template <int ES, int R>
+__device__ __forceinline__ void ddt_state_vec(const DdtArgs& a, int64_t sidx) {
+  constexpr int EV = 16 / ES;  // elements per 16-byte group
+  // A cluster of kStateCluster CTAs shares one (sequence, head): CTA `rank` takes the rows
+  // p = rank, rank + kStateCluster, ...; the column sums and dsc of the cluster's CTAs meet
+  // through distributed shared memory in rank order.
+  cgrp::cluster_group cluster = cgrp::this_cluster();
+  const int rank = static_cast<int>(sidx % kStateCluster);
+  const int64_t idx = sidx / kStateCluster;
+  __shared__ float colloc[32 * EV];  // this CTA's column sums
+  __shared__ double dscloc;          // this CTA's part of dsc
+  __shared__ float colw[kThreads / 32][32 * EV];  // per warp: its column sums (NG * EV <= 32*EV)
+  __shared__ double partw[kThreads / 32];
+  __shared__ float cur0[2];  // dscale, dgamma at the first position (parked by thread 0)
+  const int64_t i = idx / a.H, h = idx % a.H;
+  const int64_t b = a.varlen ? 0 : i;
+  int64_t t0 = 0;
+  if (a.varlen) {
+    t0 = a.cu.at(i);
+    t0 = t0 < 0 ? 0 : (t0 > a.S - 1 ? a.S - 1 : t0);
+  }
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int NG = a.st_ng, RS = kThreads / NG;
+  const int cg = tid & (NG - 1), rs = tid / NG;
+  // Scalars of the first position (all threads; the same addresses: one request per warp).
+  const float dt0 = ld(a.dt, a.t_dt, b * a.dt_sb + h * a.dt_sh + t0 * a.dt_ss);
+  const float tr0 = ld(a.tr, a.t_tr, b * a.tr_sb + h * a.tr_sh + t0 * a.tr_ss);
+  float ds0 = 0.f, dg0 = 0.f;
+  if (tid == 0) {
+    ds0 = ld(a.ds, a.t_ds, b * a.ds_sb + h * a.ds_sh + t0 * a.ds_ss);
+    dg0 = ld(a.dg, a.t_dg, b * a.dg_sb + h * a.dg_sh + t0 * a.dg_ss);
+  }
+  const unsigned char* d = a.st + (i * a.st_sq + h * a.st_sh) * ES + cg * 16;
+  unsigned char* od = a.ost + (i * a.ost_sq + h * a.ost_sh) * ES + cg * 16;
+  const unsigned char* kv = a.ks + (i * a.ks_sq + h * a.ks_sh) * dt_size(a.t_ks);
+  const unsigned char* vv = a.vs + (i * a.vs_sq + h * a.vs_sh) * dt_size(a.t_vs);
+  float kr[EV];
+#pragma unroll
+  for (int e = 0; e < EV; ++e) kr[e] = ld(kv, a.t_ks, (cg * EV + e) * a.ks_sn);
+  const int64_t st_row = a.st_sp * ES, ost_row = a.ost_sp * ES;
+
+  float ca[EV];
+#pragma unroll
+  for (int e = 0; e < EV; ++e) ca[e] = 0.f;
+  double dsc_t = 0.0;  // v[p] * rowdot[p] of the rows whose dot this lane ends up holding
+  const float lam0 = sigmoid_acc(tr0);
+  const float scalar = dt0 * (1.f - lam0);
+  const int64_t PQ = (a.P - rank + kStateCluster - 1) / kStateCluster;  // this CTA's rows
+  if (tid == 0 && PQ <= 0) cur0[0] = ds0, cur0[1] = dg0;
+  // Uniform trip count across the warp (row slots of one warp differ when NG < 32).
+  for (int64_t p0 = 0; p0 < PQ; p0 += static_cast<int64_t>(R) * RS) {
+    uint4 w[R];
+    float vp[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t p = rank + kStateCluster * (p0 + rs + static_cast<int64_t>(r) * RS);
+      if (p < a.P) {
+        w[r] = __ldg(reinterpret_cast<const uint4*>(d + p * st_row));
+        vp[r] = ld(vv, a.t_vs, p * a.vs_sp);
+      } else {
+        w[r] = make_uint4(0u, 0u, 0u, 0u);
+        vp[r] = 0.f;
+      }
+    }
+    if (tid == 0 && p0 == 0) {  // after this thread's loads are issued: frees registers
+      cur0[0] = ds0, cur0[1] = dg0;
+    }
+    // Rows in halves of RH = R/2 (fewer float64 values live at once).
+    constexpr int RH = R / 2;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      double rd[RH];
+#pragma unroll
+      for (int r2 = 0; r2 < RH; ++r2) {
+        const int r = hf * RH + r2;
+        const int64_t p = rank + kStateCluster * (p0 + rs + static_cast<int64_t>(r) * RS);
+        if (p < a.P) *reinterpret_cast<uint4*>(od + p * ost_row) = w[r];
+        const uint32_t ww[4] = {w[r].x, w[r].y, w[r].z, w[r].w};
+        float x[EV];
+#pragma unroll
+        for (int e = 0; e < EV; ++e)
+          x[e] = ES == 4 ? __uint_as_float(ww[e])
+                         : bits_to_float((ww[e / 2] >> (16 * (e & 1))) & 0xffffu, a.t_st);
+        // Row dots carried to float64 precision: dsc = sum_p v[p] * rowdot[p] often cancels,
+        // and its error reaches ddt/dtrap at the sequence start directly. This lane's part:
+        // exact products (TwoProduct via fma) summed with TwoSum into hi + lo (the _rn
+        // intrinsics are never contracted), then the lanes' parts are added in float64.
+        float hi = 0.f, lo = 0.f;
+#pragma unroll
+        for (int e = 0; e < EV; ++e) {
+          const float pr = __fmul_rn(x[e], kr[e]);
+          const float pe = fmaf(x[e], kr[e], -pr);
+          const float sm = __fadd_rn(hi, pr);
+          const float bp = __fsub_rn(sm, hi);
+          lo = __fadd_rn(lo, __fadd_rn(__fadd_rn(__fsub_rn(hi, __fsub_rn(sm, bp)),
+                                                 __fsub_rn(pr, bp)),
+                                       pe));
+          hi = sm;
+          ca[e] = fmaf(x[e], vp[r], ca[e]);
+        }
+        rd[r2] = static_cast<double>(hi) + static_cast<double>(lo);
+      }
+      // Row dots over the NG lanes of each row (NG divides 32: a row is inside one warp).
+      if (NG >= RH) {
+        // All RH rows at once (see row_reduce_rt): lane cg then holds row cg / (NG / RH).
+        row_reduce_rt<RH>(rd, cg, NG >> 1);
+        const int grp = NG / RH;
+        if (cg % grp == 0) {
+          const int r2 = cg / grp;
+          float vr = 0.f;
+#pragma unroll
+          for (int u = 0; u < RH; ++u)
+            if (u == r2) vr = vp[hf * RH + u];
+          const int64_t p =
+              rank + kStateCluster * (p0 + rs + static_cast<int64_t>(hf * RH + r2) * RS);
+          if (p < a.P) {
+            a.ovs[i * a.ovs_sq + h * a.ovs_sh + p * a.ovs_sp] =
+                scalar * static_cast<float>(rd[0]);
+            dsc_t = fma(static_cast<double>(vr), rd[0], dsc_t);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int r2 = 0; r2 < RH; ++r2) {
+          double acc = rd[r2];
+          for (int m = 1; m < NG; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          const int64_t p =
+              rank + kStateCluster * (p0 + rs + static_cast<int64_t>(hf * RH + r2) * RS);
+          if (cg == 0 && p < a.P) {
+            a.ovs[i * a.ovs_sq + h * a.ovs_sh + p * a.ovs_sp] = scalar * static_cast<float>(acc);
+            dsc_t = fma(static_cast<double>(vp[hf * RH + r2]), acc, dsc_t);
+          }
+        }
+      }
+    }
+  }
+  // Column sums: the warp's row slots (lanes with the same cg), then warps in order.
+  for (int m = NG; m < 32; m <<= 1) {
+#pragma unroll
+    for (int e = 0; e < EV; ++e) ca[e] += __shfl_xor_sync(0xffffffffu, ca[e], m);
+  }
+  for (int m = 1; m < 32; m <<= 1) dsc_t += __shfl_xor_sync(0xffffffffu, dsc_t, m);
+  if (lane < NG) {
+#pragma unroll
+    for (int e = 0; e < EV; ++e) colw[warp][lane * EV + e] = ca[e];
+  }
+  if (lane == 0) partw[warp] = dsc_t;
+  __syncthreads();
+  for (int n = tid; n < a.N; n += kThreads) {
+    float s = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < kThreads / 32; ++w2) s += colw[w2][n];
+    colloc[n] = s;
+  }
+  if (tid == 0) {
+    double d = 0.0;
+#pragma unroll
+    for (int w2 = 0; w2 < kThreads / 32; ++w2) d += partw[w2];
+    dscloc = d;
+  }
+  cluster.sync();  // every CTA's colloc/dscloc written
+  // Columns n = rank, rank + CL, ...: the CTAs' sums added in rank order.
+  for (int n = rank + kStateCluster * tid; n < a.N; n += kStateCluster * kThreads) {
+    float s = 0.f;
+#pragma unroll
+    for (int c = 0; c < kStateCluster; ++c) s += cluster.map_shared_rank(colloc, c)[n];
+    a.oks[i * a.oks_sq + h * a.oks_sh + n * a.oks_sn] = scalar * s;
+  }
+  if (rank == 0 && tid == 0) {
+    double dsc = 0.0;
+#pragma unroll
+    for (int c = 0; c < kStateCluster; ++c) dsc += *cluster.map_shared_rank(&dscloc, c);
+    // The first position in float64 from the float32 inputs (one value per sequence and head).
+    const double cur = static_cast<double>(cur0[1]) + static_cast<double>(cur0[0]);
+    const double l = 1.0 / (1.0 + exp(-static_cast<double>(tr0))), l1 = l * (1.0 - l);
+    a.ddt[b * a.ddt_sb + h * a.ddt_sh + t0 * a.ddt_ss] =
+        static_cast<float>(cur * l + dsc * (1.0 - l));
+    a.dtrap[b * a.dtr_sb + h * a.dtr_sh + t0 * a.dtr_ss] =
+        static_cast<float>((cur - dsc) * static_cast<double>(dt0) * l1);
+  }
+  cluster.sync();  // the other CTAs' shared memory stays alive until read
+}
+
 // U: see ddt_state_block (the state job's register arrays scale with it, so the launch picks the
 // smallest U that fits N and the element job keeps a high occupancy).
 template <int U>
@@ -321,12 +543,45 @@ __global__ void __launch_bounds__(kThreads, 2) ddt_kernel(const __grid_constant_
   }
 }
 
+// Input states on the vector path (ES: bytes per state element), launched in clusters of
+// kStateCluster CTAs.
+// Float32 states fit 64 registers (4 CTAs per SM: the reference shape's 2*128 state CTAs and 256
+// element CTAs run in one wave); 16-bit states need 80 (3 CTAs per SM).
+template <int ES>
+__global__ void __launch_bounds__(kThreads, ES == 4 ? 4 : 3)
+    ddt_vec_kernel(const __grid_constant__ DdtArgs a) {
+  const int64_t blk = blockIdx.x;
+  if (blk < a.state_blocks) {
+    ddt_state_vec<ES, 4>(a, blk);
+  } else if (a.vec4) {
+    ddt_elem_vec4(a, blk - a.state_blocks);
+  } else {
+    ddt_elem_one(a, blk - a.state_blocks);
+  }
+}
+
 // Without input states: the element job alone, at a higher occupancy.
 __global__ void __launch_bounds__(kThreads, 4) ddt_elem_kernel(const __grid_constant__ DdtArgs a) {
   if (a.vec4)
     ddt_elem_vec4(a, blockIdx.x);
   else
     ddt_elem_one(a, blockIdx.x);
+}
+
+// 16-byte column groups per row of the state tensors when the vector state path takes them
+// (contiguous rows, 16-byte aligned base and outer strides, N*size a multiple of 16 giving a
+// power of two <= 32 groups); 0 otherwise.
+int state_vec_groups(const DdtDtrapParams& p) {
+  const int64_t es = dtype_size(p.d_issm_state.dtype);
+  if ((p.N * es) % 16 != 0) return 0;
+  const int64_t ng = p.N * es / 16;
+  if (ng < 1 || ng > 32 || (ng & (ng - 1)) != 0) return 0;
+  for (const TensorView* v : {&p.d_issm_state, &p.d_input_ssm_state}) {
+    if (v->strides[3] != 1 || !aligned_to(v->data, 16)) return 0;
+    for (int d = 0; d < 3; ++d)
+      if (v->shape[d] > 1 && (v->strides[d] * es) % 16 != 0) return 0;
+  }
+  return static_cast<int>(ng);
 }
 
 }  // namespace
@@ -391,15 +646,39 @@ void compute_ddt_dtrap_dinput_states(const DdtDtrapParams& p, void* stream) {
   }
   a.vec4 = vec4;
   const int64_t total = vec4 ? p.B * p.H * (p.S / 4) : p.B * p.H * p.S;
-  a.state_blocks = p.has_state ? p.nseq * p.H : 0;
-  const int64_t blocks = a.state_blocks + (total + kThreads - 1) / kThreads;
+  a.st_ng = p.has_state ? state_vec_groups(p) : 0;
+  // The vector state path runs kStateCluster CTAs (one cluster) per (sequence, head), and the
+  // grid is then a whole number of clusters (the padding blocks find no work).
+  const int64_t cl = a.st_ng > 0 ? kStateCluster : 1;
+  a.state_blocks = p.has_state ? cl * p.nseq * p.H : 0;
+  int64_t blocks = a.state_blocks + (total + kThreads - 1) / kThreads;
+  blocks = (blocks + cl - 1) / cl * cl;
   MAMBA3_CHECK_ARG(blocks <= 0x7fffffff, "dscale: B*H*S=", p.B * p.H * p.S, " and nseq*H=",
                    a.state_blocks, " are too large for one launch");
   if (blocks > 0) {
     const int64_t U = p.has_state ? (p.N + 31) / 32 : 1;
-    if (!p.has_state)
+    if (!p.has_state) {
       ddt_elem_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);
-    else if (U <= 1)
+    } else if (a.st_ng > 0) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = 0;
+      cfg.stream = st;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = kStateCluster;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      if (dtype_size(p.d_issm_state.dtype) == 4)
+        check_cuda(cudaLaunchKernelEx(&cfg, ddt_vec_kernel<4>, a),
+                   "compute_ddt_dtrap_dinput_states: kernel launch");
+      else
+        check_cuda(cudaLaunchKernelEx(&cfg, ddt_vec_kernel<2>, a),
+                   "compute_ddt_dtrap_dinput_states: kernel launch");
+    } else if (U <= 1)
       ddt_kernel<1><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);
     else if (U <= 2)
       ddt_kernel<2><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(a);

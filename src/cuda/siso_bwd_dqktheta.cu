@@ -33,6 +33,7 @@
 //   path cannot read (non-unit innermost stride, misaligned rows) in "element mode", where big
 //   tensors are read and written element by element through their strides (slower, never wrong).
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/error.hpp"
@@ -900,14 +901,17 @@ __global__ void __launch_bounds__(256)
 // rows; angles and the row scalars float32; every offset below 2^31) runs this simpler kernel,
 // which spends far fewer instructions per row than the pipelined one above (the op is
 // instruction bound there, not memory bound):
-// * A lane owns VE contiguous elements of a row (VE = 4, or 8 for N = 256), so one row of N
-//   elements spans LPR = N/VE lanes and a warp holds RPW = 32/LPR rows. Loads are plain vector
-//   loads straight into registers.
+// * A lane owns VE contiguous elements of a row (VE = 4, or 8 for N = 256 and, in the WIDE
+//   variant, for N = 64/128 with A % 4 == 0 and 16-byte rows), so one row of N elements spans
+//   LPR = N/VE lanes and a warp holds RPW = 32/LPR rows. Loads are plain vector loads straight
+//   into registers.
 // * A CTA of W = WH x WR warps walks blocks of PB = WR*RPW*T positions of one q/k head g. Warp
 //   (wh, wr) takes heads wh, wh+WH, ... of the group for its RPW*T positions: q/k are loaded once
 //   per block, dq/dk accumulate over the heads in registers and the WH warps' sums meet once per
 //   block in shared memory (fixed order). Per head, the T positions' loads are all issued before
-//   any is used, which keeps enough bytes in flight.
+//   any is used; then (when a warp has >= 2 heads per block) the next item's rows are
+//   prefetched into L2, which holds no register.
+// * dscale/dgamma of the T positions: one transposed butterfly over the row's lanes.
 // * Bias partials: summed over the T positions in registers, then added once per (block, head)
 //   into lane-private shared-memory accumulators (each address has one writer: deterministic); at
 //   the end each CTA writes one partial per head and bias_reduce_kernel sums them in fixed order.
@@ -938,17 +942,47 @@ struct LeanArgs {
   int has_dok, varlen;
   CuSeqlens cu;
   float* ws;
+  int pf;  // L2 prefetch of each warp's next item (see the kernel)
 };
 
-template <int N, int DT>
+// WIDE (N = 64, 128 with A % 4 == 0): 8 elements per lane instead of 4, so the per-row work of a
+// lane (addresses, scalars, shuffles, stores) is spread over twice the elements.
+template <int N, int DT, bool WIDE = false>
 struct LeanGeom {
-  static constexpr int LPR = N / 4 < 32 ? N / 4 : 32;  // lanes per row
+  static constexpr int LPR = WIDE ? N / 8 : (N / 4 < 32 ? N / 4 : 32);  // lanes per row
   static constexpr int VE = N / LPR;                   // elements per lane (4 or 8)
   static constexpr int NP = VE / 2;                    // rotation pairs per lane
   static constexpr int RPW = 32 / LPR;                 // rows per warp
   // Positions per warp row per block: as many as the registers allow without spilling.
   static constexpr int T = VE == 4 ? (DT == kBF16 ? 4 : 2) : (DT == kBF16 ? 2 : 1);
 };
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Transposed butterfly over the lanes of a row (xor masks M, M/2, ..., 1 with M = LPR/2): K
+// values (K a power of two <= 2M) are summed so that each exchange moves half of the remaining
+// values (K-1 + log2(2M/K) shuffles instead of K*log2(2M)). Afterwards lane `col` of the row holds
+// in v[0] the full sum of value col / (2M/K). Fixed order: deterministic.
+template <int K, int M>
+__device__ __forceinline__ void row_reduce_t(float* v, int col) {
+  if constexpr (M >= 1) {
+    if constexpr (K > 1) {
+      const bool up = (col & M) != 0;
+#pragma unroll
+      for (int j = 0; j < K / 2; ++j) {
+        const float send = up ? v[j] : v[j + K / 2];
+        const float keep = up ? v[j + K / 2] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+      }
+      row_reduce_t<K / 2, M / 2>(v, col);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], M);
+      row_reduce_t<1, M / 2>(v, col);
+    }
+  }
+}
 
 // Angle reduced to [-pi, pi] (two-constant Cody-Waite), then the hardware sin/cos.
 __device__ __forceinline__ void fast_sincos(float x, float* s, float* c) {
@@ -957,11 +991,13 @@ __device__ __forceinline__ void fast_sincos(float x, float* s, float* c) {
   __sincosf(r, s, c);
 }
 
-template <class Tg, int N>
+template <class Tg, int N, bool WIDE>
 __global__ void __launch_bounds__(kLeanWarps * 32, 2)
     dqk_lean_kernel(const __grid_constant__ LeanArgs a) {
   using E = Elem<Tg>;
-  using Gm = LeanGeom<N, Elem<Tg>::kDt>;
+  using Gm = LeanGeom<N, Elem<Tg>::kDt, WIDE>;
+  // dscale/dgamma of all T positions reduced together (see row_reduce_t) when they fit the row.
+  constexpr bool kJointReduce = 2 * Gm::T <= Gm::LPR;
   constexpr int LPR = Gm::LPR, VE = Gm::VE, NP = Gm::NP, RPW = Gm::RPW, T = Gm::T;
   constexpr int kSz = E::kSize;
   constexpr int RBY = VE * kSz;              // bytes of a lane's run of a row
@@ -1063,6 +1099,45 @@ __global__ void __launch_bounds__(kLeanWarps * 32, 2)
         gav[t] = val[t] ? __ldg(a.ga + os) : 0.f;
         dqkv[t] = val[t] ? __ldg(a.dqk + os) : 0.f;
       }
+      // L2 prefetch of this warp's next item (its next head in this block, or its first head in
+      // its next block), so that the loads of the next item wait on L2 rather than on HBM. A
+      // prefetch holds no register; it changes no result.
+      if (a.pf) {
+        int nh = head + WH;
+        const bool nb = nh >= HG;  // warp-uniform
+        if (nb) nh = wh;
+        const int blk2 = blk + static_cast<int>(gridDim.x);
+        if (!nb || blk2 < a.nblk) {
+          const int hh = g * HG + nh;
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            bool v2 = val[t];
+            int og2 = ogi[t], oa2 = oan[t], os2 = osm[t];
+            if (nb) {
+              const int row = blk2 * a.PB + (wr * T + t) * RPW + rl;
+              v2 = row < a.rows;
+              const int r = v2 ? row : 0;
+              const int b = static_cast<int>(static_cast<uint32_t>(r) / static_cast<uint32_t>(a.S));
+              const int s = r - b * a.S;
+              og2 = b * a.gi_sb + s * a.gi_ss;
+              oa2 = b * a.an_sb + s * a.an_ss;
+              os2 = b * a.sm_sb + s * a.sm_ss;
+            }
+            if (v2) {
+              const int64_t ob = static_cast<int64_t>(og2 + hh * a.gi_sh + n0) * kSz;
+              prefetch_l2(a.dqi + ob);
+              prefetch_l2(a.dki + ob);
+              if (rot) prefetch_l2(a.ang + oa2 + hh * a.an_sh + col * NP);
+              if (col == 0) {
+                const int os = os2 + hh * a.sm_sh;
+                prefetch_l2(a.sc + os);
+                prefetch_l2(a.ga + os);
+                prefetch_l2(a.dqk + os);
+              }
+            }
+          }
+        }
+      }
       float bq[VE], bk[VE], sq[VE], sk[VE];
       {
         const float* sb = bias_s + head * 2 * N + n0;
@@ -1077,6 +1152,7 @@ __global__ void __launch_bounds__(kLeanWarps * 32, 2)
         for (int e = 0; e < VE; ++e) sq[e] = sk[e] = 0.f;
       }
 
+      float rv[2 * T];  // kJointReduce: dsc, qkd of each position
 #pragma unroll
       for (int t = 0; t < T; ++t) {
         float x[VE], y[VE];
@@ -1125,15 +1201,20 @@ __global__ void __launch_bounds__(kLeanWarps * 32, 2)
             dkp[2 * i + 1] += or1;
           }
         }
+        if constexpr (kJointReduce) {
+          rv[2 * t] = dsc;
+          rv[2 * t + 1] = qkd;
+        } else {
 #pragma unroll
-        for (int m = 1; m < LPR; m <<= 1) {
-          dsc += __shfl_xor_sync(0xffffffffu, dsc, m);
-          qkd += __shfl_xor_sync(0xffffffffu, qkd, m);
-        }
-        const int os = osm[t] + h * a.sm_sh;
-        if (col == 0 && val[t]) {
-          a.dsc[os] = dsc;
-          a.dga[os] = dqkv[t] * qkd;
+          for (int m = 1; m < LPR; m <<= 1) {
+            dsc += __shfl_xor_sync(0xffffffffu, dsc, m);
+            qkd += __shfl_xor_sync(0xffffffffu, qkd, m);
+          }
+          const int os = osm[t] + h * a.sm_sh;
+          if (col == 0 && val[t]) {
+            a.dsc[os] = dsc;
+            a.dga[os] = dqkv[t] * qkd;
+          }
         }
         if (rot && val[t]) {
           uint32_t w[NP];
@@ -1160,6 +1241,29 @@ __global__ void __launch_bounds__(kLeanWarps * 32, 2)
           }
           rq[c * 32] = u;
           rq[(C4 + c) * 32] = v;
+        }
+      }
+      if constexpr (kJointReduce) {
+        // Lane col holds value col / (LPR / 2T): position t = that / 2, dscale (even) or the dot
+        // q.k of dgamma (odd); the first lane of each such group stores it.
+        row_reduce_t<2 * T, LPR / 2>(rv, col);
+        constexpr int kGrp = LPR / (2 * T);
+        const int idx = col / kGrp;
+        if (col % kGrp == 0) {
+          const int t = idx >> 1;
+          bool vt = false;
+          int os = 0;
+          float dq = 0.f;
+#pragma unroll
+          for (int u = 0; u < T; ++u)
+            if (u == t) vt = val[u], os = osm[u], dq = dqkv[u];
+          if (vt) {
+            os += h * a.sm_sh;
+            if (idx & 1)
+              a.dga[os] = dq * rv[0];
+            else
+              a.dsc[os] = rv[0];
+          }
         }
       }
       // Bias partial of this head: sum the warp's rows (fixed butterfly), then one lane per
@@ -1426,28 +1530,33 @@ Plan make_plan(const DqkthetaParams& p, int device, int sms) {
 // ------------------------------------------------------------------ host side: the lean path
 
 struct LeanPlan {
+  bool wide = false;
   int WH = 1, WR = 1, T = 1, RPW = 1, nblk = 0, ctas_per_g = 1;
   size_t smem = 0;
 };
 
-template <int N>
+template <int N, bool WIDE = false>
 void lean_geom(int dt, int* T, int* RPW, int* VE) {
-  *T = dt == kF32    ? LeanGeom<N, kF32>::T
-       : dt == kBF16 ? LeanGeom<N, kBF16>::T
-                     : LeanGeom<N, kF16>::T;
-  *RPW = LeanGeom<N, kF32>::RPW, *VE = LeanGeom<N, kF32>::VE;
+  *T = dt == kF32    ? LeanGeom<N, kF32, WIDE>::T
+       : dt == kBF16 ? LeanGeom<N, kBF16, WIDE>::T
+                     : LeanGeom<N, kF16, WIDE>::T;
+  *RPW = LeanGeom<N, kF32, WIDE>::RPW, *VE = LeanGeom<N, kF32, WIDE>::VE;
 }
 
 // Whether the lean kernel takes these arguments (see its comment), and its plan.
-bool make_lean_plan(const DqkthetaParams& p, int device, int sms, LeanPlan* lp) {
+bool make_lean_plan(const DqkthetaParams& p, int device, int sms, bool wide, LeanPlan* lp) {
   const int64_t N = p.N, HG = p.H / p.G;
   const int es0 = static_cast<int>(p.dq_in.dtype);
   int T = 0, RPW = 0, VE = 0;
   switch (N) {
     case 16: lean_geom<16>(es0, &T, &RPW, &VE); break;
     case 32: lean_geom<32>(es0, &T, &RPW, &VE); break;
-    case 64: lean_geom<64>(es0, &T, &RPW, &VE); break;
-    case 128: lean_geom<128>(es0, &T, &RPW, &VE); break;
+    case 64:
+      wide ? lean_geom<64, true>(es0, &T, &RPW, &VE) : lean_geom<64>(es0, &T, &RPW, &VE);
+      break;
+    case 128:
+      wide ? lean_geom<128, true>(es0, &T, &RPW, &VE) : lean_geom<128>(es0, &T, &RPW, &VE);
+      break;
     case 256: lean_geom<256>(es0, &T, &RPW, &VE); break;
     default: return false;
   }
@@ -1477,6 +1586,8 @@ bool make_lean_plan(const DqkthetaParams& p, int device, int sms, LeanPlan* lp) 
   for (const TensorView* v : {&p.scale, &p.gamma, &p.dqk, &p.dscale, &p.dgamma})
     if (!offsets_fit_int32(*v)) return false;
 
+  if (wide && (VE != 8 || (N != 64 && N != 128))) return false;
+  lp->wide = wide;
   lp->WH = static_cast<int>(std::min<int64_t>(HG, kLeanWarps));
   lp->WR = kLeanWarps / lp->WH;
   lp->T = T, lp->RPW = RPW;
@@ -1500,11 +1611,11 @@ bool make_lean_plan(const DqkthetaParams& p, int device, int sms, LeanPlan* lp) 
   return true;
 }
 
-template <class Tg, int N>
+template <class Tg, int N, bool WIDE = false>
 void launch_lean_n(const LeanPlan& lp, const LeanArgs& a, dim3 grid, cudaStream_t st,
                    int device) {
-  ensure_dynamic_smem<dqk_lean_kernel<Tg, N>>(device, lp.smem);
-  dqk_lean_kernel<Tg, N><<<grid, lp.WH * lp.WR * 32, lp.smem, st>>>(a);
+  ensure_dynamic_smem<dqk_lean_kernel<Tg, N, WIDE>>(device, lp.smem);
+  dqk_lean_kernel<Tg, N, WIDE><<<grid, lp.WH * lp.WR * 32, lp.smem, st>>>(a);
   check_launch("compute_dqktheta: lean kernel launch");
 }
 
@@ -1514,8 +1625,12 @@ void launch_lean(const LeanPlan& lp, const LeanArgs& a, int N, dim3 grid, cudaSt
   switch (N) {
     case 16: return launch_lean_n<Tg, 16>(lp, a, grid, st, device);
     case 32: return launch_lean_n<Tg, 32>(lp, a, grid, st, device);
-    case 64: return launch_lean_n<Tg, 64>(lp, a, grid, st, device);
-    case 128: return launch_lean_n<Tg, 128>(lp, a, grid, st, device);
+    case 64:
+      return lp.wide ? launch_lean_n<Tg, 64, true>(lp, a, grid, st, device)
+                     : launch_lean_n<Tg, 64>(lp, a, grid, st, device);
+    case 128:
+      return lp.wide ? launch_lean_n<Tg, 128, true>(lp, a, grid, st, device)
+                     : launch_lean_n<Tg, 128>(lp, a, grid, st, device);
     default: return launch_lean_n<Tg, 256>(lp, a, grid, st, device);
   }
 }
@@ -1523,7 +1638,15 @@ void launch_lean(const LeanPlan& lp, const LeanArgs& a, int N, dim3 grid, cudaSt
 // Runs the lean kernel when it applies; returns the CTAs per q/k head it used (0: not taken).
 int run_lean(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
   LeanPlan lp;
-  if (!make_lean_plan(p, p.device_id, sms, &lp)) return 0;
+  // The wide lane layout where it applies (N = 64, 128, A % 4 == 0, 16-byte rows), else 4
+  // elements per lane. MAMBA3_DQK_WIDE=0 forces the latter (A/B measurements).
+  static const bool kWideOk = [] {
+    const char* v = std::getenv("MAMBA3_DQK_WIDE");
+    return !(v && v[0] == '0');
+  }();
+  if (!(kWideOk && make_lean_plan(p, p.device_id, sms, true, &lp)) &&
+      !make_lean_plan(p, p.device_id, sms, false, &lp))
+    return 0;
   LeanArgs a;
   std::memset(&a, 0, sizeof(a));
   auto i32 = [](int64_t x) { return static_cast<int>(x); };
@@ -1559,6 +1682,14 @@ int run_lean(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
   a.varlen = p.varlen;
   a.cu = make_cu_seqlens(p.cu_seqlens);
   a.ws = ws;
+  // MAMBA3_DQK_PF=0 turns the L2 prefetch off (A/B measurements).
+  static const int kPf = [] {
+    const char* v = std::getenv("MAMBA3_DQK_PF");
+    return v && v[0] == '0' ? 0 : 1;
+  }();
+  // Only when a warp has at least two heads per block (HG >= 2*WH): measured +2-4% at H/G = 32,
+  // but -5% at H/G = 4, where every prefetch crosses to the next block.
+  a.pf = kPf && a.HG >= 2 * a.WH;
   const dim3 grid(static_cast<unsigned>(lp.ctas_per_g), static_cast<unsigned>(p.G));
   switch (p.dq_in.dtype) {
     case DType::F32:
