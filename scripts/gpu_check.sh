@@ -4,7 +4,8 @@
 # benchmark table) is printed last. A phase that fails does not stop the later ones.
 #
 #   scripts/gpu_check.sh [options]
-#     --no-build        use the existing build directory (e.g. carried to the machine)
+#     --no-build        use the existing build directory (e.g. carried to the machine; a
+#                       folder of carried binaries without a build tree runs the *Cuda* gtests)
 #     --build-dir DIR   build directory (default: build)
 #     --tests-only      build (unless --no-build), ctest, self-check, pytest; no benchmark
 #     --bench-only      build (unless --no-build) and benchmark only
@@ -144,10 +145,15 @@ fi
 
 # ------------------------------------------------------------------ C++ tests and self-check
 if [ "$DO_CTEST" = 1 ]; then
-  if [ -x "$BUILD_DIR/mamba3_tests" ]; then
+  if [ -x "$BUILD_DIR/mamba3_tests" ] && [ -f "$BUILD_DIR/CTestTestfile.cmake" ]; then
     run_phase ctest "$OUT/ctest.log" 240 \
       ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$NPROC" \
         --output-junit "$OUT/ctest.xml"
+  elif [ -x "$BUILD_DIR/mamba3_tests" ]; then
+    # Carried binaries (built elsewhere, no build tree): the GPU tests only; CI runs the rest.
+    run_phase gtest-cuda "$OUT/gtest_cuda.log" 300 \
+      env LD_LIBRARY_PATH="$BUILD_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        "$BUILD_DIR/mamba3_tests" --gtest_filter='*Cuda*' --gtest_output="xml:$OUT/gtest_cuda.xml"
   else
     skip_phase ctest "mamba3_tests not built (GoogleTest missing?)"
   fi
