@@ -26,6 +26,7 @@
 #include "mamba3/mamba3.h"
 #include "mamba3_golden/host.hpp"
 #include "mamba3_golden/mimo_cases.hpp"
+#include "mimo_bwd_fwd_grid.hpp"
 #include "pairwise.hpp"
 #include "case_log.hpp"
 
@@ -43,74 +44,11 @@ using mamba3::test::pairwise;
 
 // ------------------------------------------------------------------ the grid
 
-struct DtypeSet {
-  IoType act, param, decay;
-};
-const DtypeSet kDtypes[] = {{IoType::F32, IoType::F32, IoType::F32},
-                            {IoType::F16, IoType::F32, IoType::F32},
-                            {IoType::BF16, IoType::F32, IoType::F32},
-                            {IoType::F16, IoType::F16, IoType::F16},
-                            {IoType::BF16, IoType::BF16, IoType::BF16}};
-const IoType kOut[] = {IoType::F32, IoType::F16, IoType::BF16};
-const int64_t kR[] = {1, 2, 4, 8};
-const int64_t kN[] = {16, 32, 64, 128, 256};
-const int64_t kP[] = {32, 64, 128};
-const int64_t kC[] = {8, 16, 32, 64};
-const int64_t kS[] = {5, 33, 40, 50, 64, 100, 300};  // 5: one partial chunk; 300: segments
-enum Gate { kNoGate, kGateZ, kGateZNorm };
-const int64_t kGH[][2] = {{1, 1}, {1, 2}, {2, 4}};
-const int64_t kB[] = {1, 2};
-const int64_t kRdd[] = {2, 4};
-const int64_t kPad[] = {0, 3};
+using namespace mimo_bf;  // the axes: kDtypes, kOut, kR, kN, kP, kC, kGH, kB, kRdd
 
-enum Axis { kAxDtype, kAxOut, kAxR, kAxN, kAxP, kAxC, kAxS, kAxGate, kAxReduce, kAxD, kAxGH,
-            kAxB, kAxRdd, kAxPad, kNumAxes };
+const std::vector<int64_t> kS = {5, 33, 40, 50, 64, 100, 300};  // 5: one partial chunk; 300: segments
 
-// Flops of one case (unset axes at their smallest value): bounds the golden's host time.
-double case_cost(const Assignment& a) {
-  auto val = [&](int axis, const int64_t* values) {
-    return double(values[a[axis] < 0 ? 0 : a[axis]]);
-  };
-  const double R = val(kAxR, kR), N = val(kAxN, kN), P = val(kAxP, kP), C = val(kAxC, kC);
-  const double S = val(kAxS, kS), B = val(kAxB, kB);
-  const double H = a[kAxGH] < 0 ? 1.0 : double(kGH[a[kAxGH]][1]);
-  return B * H * S * (4 * R * N * P + 0.5 * std::min(C, S) * R * R * (N + P));
-}
-constexpr double kMaxCaseCost = 3e8;
-
-std::vector<MimoBwdFwdCase> grid() {
-  const std::vector<int> sizes = {5, 3, 4, 5, 3, 4, 7, 3, 2, 2, 3, 2, 2, 2};
-  auto ok = [](const Assignment& a) {
-    if (a[kAxGate] == kGateZNorm && a[kAxReduce] == 1) return false;  // the norm needs mimo_o
-    return case_cost(a) <= kMaxCaseCost;
-  };
-  std::vector<MimoBwdFwdCase> cases;
-  uint64_t seed = 1001;
-  for (const Assignment& a : pairwise(sizes, ok, 20250117)) {
-    MimoBwdFwdCase c;
-    c.act = kDtypes[a[kAxDtype]].act;
-    c.param = kDtypes[a[kAxDtype]].param;
-    c.decay = kDtypes[a[kAxDtype]].decay;
-    c.out = kOut[a[kAxOut]];
-    c.R = kR[a[kAxR]];
-    c.N = kN[a[kAxN]];
-    c.P = kP[a[kAxP]];
-    c.chunk = kC[a[kAxC]];
-    c.S = kS[a[kAxS]];
-    c.z = a[kAxGate] != kNoGate;
-    c.norm = a[kAxGate] == kGateZNorm;
-    c.reduce_o = a[kAxReduce] == 0;
-    c.d = a[kAxD] == 1;
-    c.G = kGH[a[kAxGH]][0];
-    c.H = kGH[a[kAxGH]][1];
-    c.B = kB[a[kAxB]];
-    c.rdd = kRdd[a[kAxRdd]];
-    c.pad = kPad[a[kAxPad]];
-    c.seed = seed++;
-    cases.push_back(c);
-  }
-  return cases;
-}
+std::vector<MimoBwdFwdCase> grid() { return mimo_bf::grid({kS, 3e8, 20250117, 1001}); }
 
 TEST(MimoBwdFwdCuda, GridMatchesGolden) {
   SKIP_WITHOUT_CUDA();
