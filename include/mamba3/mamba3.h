@@ -197,10 +197,10 @@ MAMBA3_API mamba3_status mamba3_mimo_bwd_fwd(
  *   dda_cs_rev  [B,H,S]      f32  dL/dexp(da_cs_rev_t)
  *   dda_cs      [B,H,S]      f32  dL/dexp(da_cs_t) through the inter-chunk readout
  *   dd          [B,H]        f32, per batch; given exactly when d is given
- * Accumulation is float32; results are deterministic. The CUDA backend of this operator is not
- * built yet: CUDA tensors get MAMBA3_ERROR_UNSUPPORTED (never the CPU path on device memory).
- * mamba3_mimo_bwd_bwd_workspace_size takes the same tensors (reading only their metadata); it is
- * 0 on the CPU.
+ * Accumulation is float32; results are deterministic. CUDA tensors run the CUDA backend on
+ * `stream` with the caller's device workspace (no allocation, no host synchronisation, capturable
+ * in a CUDA graph; any alignment of the workspace pointer). mamba3_mimo_bwd_bwd_workspace_size
+ * takes the same tensors (reading only their metadata); it is 0 on the CPU.
  * ------------------------------------------------------------------------------------------- */
 MAMBA3_API mamba3_status mamba3_mimo_bwd_bwd_workspace_size(
     const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,

@@ -47,8 +47,8 @@ output_dtype (default: the dtype of q, k and v respectively), and in f32 DMIMO_V
 batch), DANGLES [B,S,H,N/rotary_dim_divisor], DFACTOR, DGAMMA, DDA, DDA_CS_REV, DDA_CS [B,H,S],
 DSSDA [B,H,nchunks,C,C], DD [B,H] (per batch; None without d). Registered as
 torch.ops.mamba3.mimo_bwd_bwd (12 tensors, DD a 0-element placeholder without d). CPU tensors
-only for now: the CUDA backend of this operator is not built yet, and the library refuses CUDA
-tensors (RuntimeError, MAMBA3_ERROR_UNSUPPORTED; nothing falls back to the CPU).
+run the CPU backend, CUDA tensors the CUDA backend (on torch's current stream, workspace from
+torch's allocator).
 
   mamba3_mimo_bwd_combined(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles,
                            da_cs, da_cs_rev, dt, trap, d, segsum, chunk_size=16,
@@ -59,8 +59,8 @@ tensors (RuntimeError, MAMBA3_ERROR_UNSUPPORTED; nothing falls back to the CPU).
 
 The combined backward (upstream's mamba_mimo_bwd_combined, its argument and return order): both
 passes and the reductions, gradients of sum(dout * out) w.r.t. the raw inputs (dadt is upstream's
-ddA). Registered as torch.ops.mamba3.mimo_bwd_combined; CPU tensors only for now, like the second
-pass.
+ddA). Registered as torch.ops.mamba3.mimo_bwd_combined; CPU tensors only for now (its CUDA
+backend is not built yet).
 """
 from __future__ import annotations
 
@@ -374,8 +374,8 @@ def _bb_launch(ins, chunk_size, rdd, outs):
     q = ins[1]
     stream, ws, ws_bytes = None, None, 0
     if q is not None and q.is_cuda:
-        # The library decides (today: MAMBA3_ERROR_UNSUPPORTED, as no CUDA kernels exist for this
-        # pass); the CPU path never runs on device memory.
+        # The CUDA backend on torch's current stream; its workspace from torch's allocator (so
+        # the call is capturable in a CUDA graph).
         dev = q.get_device()
         if dev != torch.cuda.current_device():
             with torch.cuda.device(dev):

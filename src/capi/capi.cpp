@@ -221,7 +221,13 @@ mamba3_status mamba3_mimo_bwd_bwd_workspace_size(
         dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt, trap, segsum,
         angles, mimo_o, d, chunk_size, rotary_dim_divisor, dq, dk, dv, dmimo_v, dangles, dfactor,
         dgamma, dda, dssda, dda_cs_rev, dda_cs, dd);
-    if (p.device == DeviceKind::CUDA) no_cuda_kernels_yet("mimo_bwd_bwd");
+    if (p.device == DeviceKind::CUDA) {
+#ifdef MAMBA3_WITH_CUDA
+      *workspace_bytes = cuda::mimo_bwd_bwd_workspace_bytes(p);
+#else
+      no_cuda_build("mimo_bwd_bwd");
+#endif
+    }
   });
 }
 
@@ -237,15 +243,20 @@ mamba3_status mamba3_mimo_bwd_bwd(
     size_t workspace_bytes, void* stream) {
   return guarded([&] {
     using namespace mamba3;
-    (void)workspace, (void)workspace_bytes, (void)stream;
     MimoBwdBwdParams p = make_mimo_bwd_bwd_params(
         dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt, trap, segsum,
         angles, mimo_o, d, chunk_size, rotary_dim_divisor, dq, dk, dv, dmimo_v, dangles, dfactor,
         dgamma, dda, dssda, dda_cs_rev, dda_cs, dd);
-    if (p.device == DeviceKind::CPU)
+    if (p.device == DeviceKind::CPU) {
       cpu::mimo_bwd_bwd(p);
-    else
-      no_cuda_kernels_yet("mimo_bwd_bwd");
+    } else {
+#ifdef MAMBA3_WITH_CUDA
+      cuda::mimo_bwd_bwd(p, workspace, workspace_bytes, stream);
+#else
+      (void)workspace, (void)workspace_bytes, (void)stream;
+      no_cuda_build("mimo_bwd_bwd");
+#endif
+    }
   });
 }
 

@@ -1,10 +1,12 @@
-// CUDA backend of the MIMO backward first pass mamba3_mimo_bwd_fwd (implemented in
-// src/cuda/mimo_bwd_fwd*.cu). Host-side entry points: they validate what only the CUDA path
-// requires, pick the kernel instantiation and launch on `stream`; no host synchronisation.
+// CUDA backend of the MIMO backward passes: mamba3_mimo_bwd_fwd (src/cuda/mimo_bwd_fwd*.cu) and
+// mamba3_mimo_bwd_bwd (src/cuda/mimo_bwd_bwd.cu). Host-side entry points: they validate what
+// only the CUDA path requires, pick the kernel instantiation and launch on `stream`; no host
+// synchronisation, no allocation (the caller's workspace), capturable in a CUDA graph.
 #pragma once
 
 #include <cstddef>
 
+#include "core/mimo_bwd_bwd_params.hpp"
 #include "core/mimo_bwd_params.hpp"
 
 namespace mamba3::cuda {
@@ -12,6 +14,11 @@ namespace mamba3::cuda {
 // Bytes of device workspace mimo_bwd_fwd needs for these (validated) params.
 size_t mimo_bwd_fwd_workspace_bytes(const MimoBwdFwdParams& p);
 void mimo_bwd_fwd(const MimoBwdFwdParams& p, void* workspace, size_t workspace_bytes,
+                  void* stream);
+
+// Bytes of device workspace mimo_bwd_bwd needs for these (validated) params.
+size_t mimo_bwd_bwd_workspace_bytes(const MimoBwdBwdParams& p);
+void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_bytes,
                   void* stream);
 
 }  // namespace mamba3::cuda

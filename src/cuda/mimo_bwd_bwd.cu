@@ -1,0 +1,68 @@
+// CUDA backend of mamba3_mimo_bwd_bwd (seed 001): host entry points and kernel launches. The
+// design (four kernels, workspace layout) is described in mimo_bwd_bwd_kernels.cuh, which holds
+// the kernel bodies and the launch plan.
+#include <cstddef>
+#include <cstdint>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/mimo_bwd.hpp"
+#include "cuda/mimo_bwd_bwd_kernels.cuh"
+
+namespace mamba3::cuda {
+namespace {
+
+using bb::Args;
+using bb::kThreads;
+
+__global__ void __launch_bounds__(kThreads) bb_increment_kernel(const __grid_constant__ Args a) {
+  extern __shared__ float smem[];
+  bb::increment_body(a, smem);
+}
+
+__global__ void __launch_bounds__(kThreads) bb_scan_kernel(const __grid_constant__ Args a) {
+  bb::scan_body(a);
+}
+
+__global__ void __launch_bounds__(kThreads) bb_chunk_kernel(const __grid_constant__ Args a) {
+  __shared__ bb::ChunkShared sh;
+  bb::chunk_body(a, sh);
+}
+
+__global__ void __launch_bounds__(kThreads) bb_reduce_kernel(const __grid_constant__ Args a) {
+  bb::reduce_body(a);
+}
+
+}  // namespace
+
+size_t mimo_bwd_bwd_workspace_bytes(const MimoBwdBwdParams& p) { return bb::make_plan(p).bytes; }
+
+void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_bytes,
+                  void* stream) {
+  const bb::Plan pl = bb::make_plan(p);
+  MAMBA3_CHECK_ARG(workspace != nullptr && workspace_bytes >= pl.bytes, "workspace: ",
+                   workspace_bytes, " bytes at ", workspace, " given, mimo_bwd_bwd needs ",
+                   pl.bytes, " bytes of device memory (see mamba3_mimo_bwd_bwd_workspace_size)");
+  for (const TensorView* t :
+       {&p.dout, &p.q, &p.k, &p.v, &p.q_bias, &p.k_bias, &p.mimo_v, &p.states, &p.qk_dot,
+        &p.da_cs, &p.da_cs_rev, &p.dt, &p.trap, &p.segsum, &p.angles, &p.mimo_o, &p.d, &p.dq,
+        &p.dk, &p.dv, &p.dmimo_v, &p.dangles, &p.dfactor, &p.dgamma, &p.dda, &p.dssda,
+        &p.dda_cs_rev, &p.dda_cs, &p.dd})
+    check_element_aligned(*t);
+  DeviceGuard guard(p.device_id);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const Args a = bb::make_args(p, pl, workspace);
+
+  if (pl.grid1 > 0) {
+    bb_increment_kernel<<<static_cast<unsigned>(pl.grid1), kThreads, pl.smem1, st>>>(a);
+    check_launch("mimo_bwd_bwd: state increment kernel");
+  }
+  bb_scan_kernel<<<static_cast<unsigned>(pl.grid2), kThreads, 0, st>>>(a);
+  check_launch("mimo_bwd_bwd: dstate scan kernel");
+  bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);
+  check_launch("mimo_bwd_bwd: chunk kernel");
+  bb_reduce_kernel<<<static_cast<unsigned>(pl.grid4), kThreads, 0, st>>>(a);
+  check_launch("mimo_bwd_bwd: partials reduction kernel");
+}
+
+}  // namespace mamba3::cuda
