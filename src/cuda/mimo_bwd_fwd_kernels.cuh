@@ -179,6 +179,7 @@ struct MbArgs {
   int reduce_o, has_z, has_d, has_norm;
   int act_dt;  // dtype code shared by q, k, v, z, dout; -1 when they differ
   int states_vec4;  // states rows take aligned 4-element stores (see write_state)
+  int lean_vec;     // the lean path's bf16 inputs take 4-byte pair loads (see ld_raw2s)
   int scal_f32;  // da_cs, da_cs_rev, dt and trap are all float32 (typed loads)
   int lgR;  // log2(R) when R is a power of two (the lean path), else -1
   float eps;
@@ -1391,7 +1392,8 @@ struct MbProblem {
   bool reduce_o, has_z, has_d, has_norm;
   bool act16;  // q, k and v are 16-bit: the products may run on tensor cores
   int act_dt;  // the dtype code shared by q, k, v (and z, dout), or -1
-  bool lean_io;  // bf16 q, k, v with unit last stride, even strides, 4-byte aligned (lean path)
+  bool lean_io;   // bf16 q, k, v, z, dout (the lean path)
+  bool lean_vec;  // ... with unit last strides, even strides, 4-byte aligned bases (pair loads)
 };
 
 struct MbPlan {
@@ -1568,6 +1570,7 @@ inline void apply_plan(const MbProblem& pr, const MbPlan& pl, void* ws, MbArgs* 
   a->A = static_cast<int>(pr.A), a->half = a->N / 2, a->HG = a->H / a->G, a->Np = pl.Np;
   a->reduce_o = pr.reduce_o, a->has_z = pr.has_z, a->has_d = pr.has_d, a->has_norm = pr.has_norm;
   a->act_dt = pr.act_dt;
+  a->lean_vec = pr.lean_vec;
   a->scal_f32 = a->da_cs.dt == 2 && a->da_cs_rev.dt == 2 && a->dt.dt == 2 && a->trap.dt == 2;
   a->lgR = -1;
   for (int l = 0; l < 4; ++l)
@@ -1626,8 +1629,11 @@ inline MbProblem mb_problem(const MimoBwdFwdParams& p) {
       if (t.strides[d] % 2 != 0) return false;
     return true;
   };
-  pr.lean_io = pr.act_dt == static_cast<int>(DType::BF16) && pairs(p.q, 5) && pairs(p.k, 5) &&
-               pairs(p.v, 4) && pairs(p.dout, p.dout.ndim) && (!p.has_z || pairs(p.z, 4));
+  // Any layout runs the lean path (same arithmetic, so the same bits); lean_vec picks its
+  // 4-byte loads.
+  pr.lean_io = pr.act_dt == static_cast<int>(DType::BF16);
+  pr.lean_vec = pairs(p.q, 5) && pairs(p.k, 5) && pairs(p.v, 4) && pairs(p.dout, p.dout.ndim) &&
+                (!p.has_z || pairs(p.z, 4));
   return pr;
 }
 

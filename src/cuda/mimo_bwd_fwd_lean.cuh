@@ -150,12 +150,30 @@ MB_DEV LeanTiles lean_tiles(const MbArgs& a, const MbLayout& L, float* sm) {
 
 // ------------------------------------------------------------------ tile builders
 
-MB_DEV uint32_t ld_raw2(const MbView& v, int64_t off) {
+// Elements off and off + st of a bf16 tensor: one 4-byte load when the layout allows
+// (a.lean_vec: unit last strides, even strides, aligned bases), else two 2-byte loads. Both give
+// the same values, so the results do not depend on the layout (bitwise).
+MB_DEV uint32_t ld_raw2s(const MbView& v, int64_t off, int64_t st, bool vec) {
+  if (vec) {
 #if defined(__CUDA_ARCH__)
-  return __ldg(reinterpret_cast<const unsigned int*>(reinterpret_cast<const __nv_bfloat16*>(v.p) + off));
+    return __ldg(reinterpret_cast<const unsigned int*>(reinterpret_cast<const __nv_bfloat16*>(v.p) + off));
 #else
-  return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const __nv_bfloat16*>(v.p) + off);
+    return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const __nv_bfloat16*>(v.p) + off);
 #endif
+  }
+  const unsigned short* e = reinterpret_cast<const unsigned short*>(v.p);
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint32_t>(__ldg(e + off)) | (static_cast<uint32_t>(__ldg(e + off + st)) << 16);
+#else
+  return static_cast<uint32_t>(e[off]) | (static_cast<uint32_t>(e[off + st]) << 16);
+#endif
+}
+
+MB_DEV float2 ld_bf2s(const MbView& v, int64_t off, int64_t st, bool vec) {
+  const uint32_t u = ld_raw2s(v, off, st, vec);
+  __nv_bfloat162 b;
+  *reinterpret_cast<uint32_t*>(&b) = u;
+  return __bfloat1622float2(b);
 }
 
 // Element e of a staged bf16 row region.
@@ -163,16 +181,6 @@ MB_DEV float st_bf(const float* region, int e) {
   return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(region)[e]);
 }
 
-MB_DEV float2 ld_bf2(const MbView& v, int64_t off) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(reinterpret_cast<const __nv_bfloat16*>(v.p) + off));
-#else
-  const uint32_t u = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const __nv_bfloat16*>(v.p) + off);
-#endif
-  __nv_bfloat162 b;
-  *reinterpret_cast<uint32_t*>(&b) = u;
-  return __bfloat1622float2(b);
-}
 
 // cos / sin of chunk c's angles into the table ang[2][C][A] (rows past the sequence: 1 / 0).
 // Once per chunk and step, not once per rank and tile row.
@@ -198,12 +206,14 @@ MB_DEV void lean_qk_task(const MbArgs& a, const MbLayout& L, float* sm, const Le
   float q1x = 0.f, q1y = 0.f, q2x = 0.f, q2y = 0.f, k1x = 0.f, k1y = 0.f, k2x = 0.f, k2y = 0.f;
   if (t < Lc) {
     const int64_t gi = s0 + t;
-    const int64_t ok = k.b * a.k.s[0] + gi * a.k.s[1] + r * a.k.s[2] + k.g * a.k.s[3] + n;
-    const float2 ka = ld_bf2(a.k, ok), kb = ld_bf2(a.k, ok + half);
+    const bool vec = a.lean_vec;
+    const int64_t sk = a.k.s[4], sq = a.q.s[4];
+    const int64_t ok = k.b * a.k.s[0] + gi * a.k.s[1] + r * a.k.s[2] + k.g * a.k.s[3] + n * sk;
+    const float2 ka = ld_bf2s(a.k, ok, sk, vec), kb = ld_bf2s(a.k, ok + half * sk, sk, vec);
     float2 qa = make_float2(0.f, 0.f), qb = qa;
     if (want_q) {
-      const int64_t oq = k.b * a.q.s[0] + gi * a.q.s[1] + r * a.q.s[2] + k.g * a.q.s[3] + n;
-      qa = ld_bf2(a.q, oq), qb = ld_bf2(a.q, oq + half);
+      const int64_t oq = k.b * a.q.s[0] + gi * a.q.s[1] + r * a.q.s[2] + k.g * a.q.s[3] + n * sq;
+      qa = ld_bf2s(a.q, oq, sq, vec), qb = ld_bf2s(a.q, oq + half * sq, sq, vec);
     }
     const float* kbias = sm + L.kb + r * N;
     k1x = ka.x + kbias[n], k1y = ka.y + kbias[n + 1];
@@ -254,7 +264,9 @@ MB_DEV void lean_x_task(const MbArgs& a, const MbLayout& L, float* sm, const Lea
   const int R = a.R;
   float2 vv = make_float2(0.f, 0.f);
   const int64_t gi = s0 + t;
-  if (t < Lc) vv = ld_bf2(a.v, k.b * a.v.s[0] + gi * a.v.s[1] + k.h * a.v.s[2] + p);
+  const bool vec = a.lean_vec;
+  if (t < Lc)
+    vv = ld_bf2s(a.v, k.b * a.v.s[0] + gi * a.v.s[1] + k.h * a.v.s[2] + p * a.v.s[3], a.v.s[3], vec);
   if (want_x) {
     // Stage the epilogue's z and dout rows (fp32) now: their loads overlap the tile loads
     // instead of stalling the epilogue.
@@ -263,17 +275,19 @@ MB_DEV void lean_x_task(const MbArgs& a, const MbLayout& L, float* sm, const Lea
     uint32_t* ds = reinterpret_cast<uint32_t*>(sm + L.ds);
     const int pw = p / 2, P2 = a.P / 2;
     zs[t * P2 + pw] = a.has_z && t < Lc
-                          ? ld_raw2(a.z, k.b * a.z.s[0] + gi * a.z.s[1] + k.h * a.z.s[2] + p)
+                          ? ld_raw2s(a.z, k.b * a.z.s[0] + gi * a.z.s[1] + k.h * a.z.s[2] + p * a.z.s[3],
+                                     a.z.s[3], vec)
                           : 0u;
     if (a.reduce_o) {
       ds[t * P2 + pw] =
-          t < Lc ? ld_raw2(a.dout, k.b * a.dout.s[0] + gi * a.dout.s[1] + k.h * a.dout.s[2] + p)
+          t < Lc ? ld_raw2s(a.dout, k.b * a.dout.s[0] + gi * a.dout.s[1] + k.h * a.dout.s[2] +
+                                        p * a.dout.s[3], a.dout.s[3], vec)
                  : 0u;
     } else {
       for (int r = 0; r < R; ++r)
         ds[(t * R + r) * P2 + pw] =
-            t < Lc ? ld_raw2(a.dout, k.b * a.dout.s[0] + gi * a.dout.s[1] + r * a.dout.s[2] +
-                                         k.h * a.dout.s[3] + p)
+            t < Lc ? ld_raw2s(a.dout, k.b * a.dout.s[0] + gi * a.dout.s[1] + r * a.dout.s[2] +
+                                          k.h * a.dout.s[3] + p * a.dout.s[4], a.dout.s[4], vec)
                    : 0u;
     }
   }
