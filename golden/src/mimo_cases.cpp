@@ -52,6 +52,107 @@ std::string MimoBwdFwdCase::describe() const {
   return os.str();
 }
 
+namespace {
+
+// The first pass's inputs of a case (what mamba3_mimo_bwd_fwd and the combined backward both
+// take): drawn from rng, rounded to the case's dtypes, and the same values as the inputs of the
+// float64 golden (gi) and of the float32 reference (fi).
+struct MimoFwdInputs {
+  Buffer dout, q, k, v, qb, kb, mv, mo, mz, z, d, nw, angles, dt, trap, da_cs, da_cs_rev, segsum;
+  MimoInputs<double> gi;
+  MimoInputs<float> fi;
+};
+
+template <class Case>
+MimoFwdInputs make_fwd_inputs(const Case& c, std::mt19937_64& rng) {
+  const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.chunk;
+  const int64_t A = N / c.rdd, nch = (S + C - 1) / C;
+  const std::vector<int64_t> dout_shape =
+      c.reduce_o ? std::vector<int64_t>{B, S, H, P} : std::vector<int64_t>{B, S, R, H, P};
+  MimoFwdInputs in;
+  Buffer &dout = in.dout, &q = in.q, &k = in.k, &v = in.v, &qb = in.qb, &kb = in.kb, &mv = in.mv;
+  Buffer &mo = in.mo, &mz = in.mz, &z = in.z, &d = in.d, &nw = in.nw, &angles = in.angles;
+  Buffer &dt = in.dt, &trap = in.trap, &da_cs = in.da_cs, &da_cs_rev = in.da_cs_rev;
+  Buffer &segsum = in.segsum;
+  MimoInputs<double>& gi = in.gi;
+  MimoInputs<float>& fi = in.fi;
+  dout = make_input(rng, c.act, dout_shape, -1, 1, c.pad);
+  q = make_input(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
+  k = make_input(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
+  v = make_input(rng, c.act, {B, S, H, P}, -1, 1, c.pad);
+  qb = make_input(rng, c.param, {H, R, N}, -0.5, 0.5, c.pad);
+  kb = make_input(rng, c.param, {H, R, N}, -0.5, 0.5, c.pad);
+  mv = make_input(rng, c.param, {H, R, P}, -1, 1, c.pad);
+  if (c.reduce_o) mo = make_input(rng, c.param, {H, R, P}, -1, 1, c.pad);
+  if (c.z) {
+    mz = make_input(rng, c.param, {H, R, P}, -1.5, 1.5, c.pad);
+    z = make_input(rng, c.act, {B, S, H, P}, -2, 2, c.pad);
+  }
+  if (c.d) d = make_input(rng, c.param, {H}, -1, 1, c.pad);
+  if (c.norm) nw = make_input(rng, c.param, {H, P}, 0.5, 1.5, c.pad);
+  angles = make_input(rng, c.decay, {B, S, H, A}, -3, 3, c.pad);
+  dt = make_input(rng, c.decay, {B, H, S}, 0.05, 0.6, c.pad);
+  trap = make_input(rng, c.decay, {B, H, S}, -2, 2, c.pad);
+
+  // da_cs, da_cs_rev and segsum from one adt = -a * dt <= 0 (upstream's compute_dacs_segsum),
+  // then rounded to their dtype: from here on they are three independent inputs.
+  MimoInputs<double> dec;
+  dec.B = B, dec.H = H, dec.S = S, dec.chunk_size = C;
+  {
+    const std::vector<double> dtv = dt.to_double();
+    const std::vector<double> a = uniform(rng, B * H * S, 0.1, 1.5, IoType::F64);
+    dec.adt.resize(B * H * S);
+    for (int64_t i = 0; i < B * H * S; ++i) dec.adt[i] = -a[i] * dtv[i];
+    mimo_dacs_segsum(dec);
+  }
+  std::vector<double> da_cs_v = rounded(dec.da_cs, c.decay);
+  std::vector<double> da_cs_rev_v = rounded(dec.da_cs_rev, c.decay);
+  std::vector<double> segsum_v = rounded(dec.segsum, c.decay);
+  if (c.nan_unread) {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    const bool partial = S % C != 0;
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      for (int64_t ch = 0; ch < nch; ++ch)
+        for (int64_t i = 0; i < C; ++i)
+          for (int64_t j = 0; j < C; ++j)
+            if (j >= i || (partial && ch == nch - 1))
+              segsum_v[((bh * nch + ch) * C + i) * C + j] = nan;
+      if (partial)
+        for (int64_t t = (nch - 1) * C; t < S; ++t) da_cs_rev_v[bh * S + t] = nan;
+    }
+  }
+  da_cs = make_from(c.decay, {B, H, S}, da_cs_v, c.pad);
+  da_cs_rev = make_from(c.decay, {B, H, S}, da_cs_rev_v, c.pad);
+  segsum = make_from(c.decay, {B, H, nch, C, C}, segsum_v, c.pad);
+
+  // Golden (double) and reference (float) from exactly the rounded inputs.
+  gi.B = B, gi.S = S, gi.H = H, gi.G = G, gi.N = N, gi.P = P, gi.R = R;
+  gi.rotary_dim_divisor = c.rdd, gi.chunk_size = C;
+  gi.dout = dout.to_double(), gi.q = q.to_double(), gi.k = k.to_double(), gi.v = v.to_double();
+  gi.q_bias = qb.to_double(), gi.k_bias = kb.to_double(), gi.mimo_v = mv.to_double();
+  if (c.reduce_o) gi.mimo_o = mo.to_double();
+  if (c.z) gi.mimo_z = mz.to_double(), gi.z = z.to_double();
+  if (c.d) gi.D = d.to_double();
+  if (c.norm) gi.norm_weight = nw.to_double(), gi.norm_eps = c.norm_eps;
+  gi.angles = angles.to_double(), gi.dt = dt.to_double(), gi.trap = trap.to_double();
+  gi.da_cs = da_cs.to_double(), gi.da_cs_rev = da_cs_rev.to_double();
+  gi.segsum = segsum.to_double();
+  fi.B = B, fi.S = S, fi.H = H, fi.G = G, fi.N = N, fi.P = P, fi.R = R;
+  fi.rotary_dim_divisor = c.rdd, fi.chunk_size = C;
+  fi.dout = cast<float>(gi.dout), fi.q = cast<float>(gi.q), fi.k = cast<float>(gi.k);
+  fi.v = cast<float>(gi.v), fi.q_bias = cast<float>(gi.q_bias),
+  fi.k_bias = cast<float>(gi.k_bias);
+  fi.mimo_v = cast<float>(gi.mimo_v), fi.mimo_o = cast<float>(gi.mimo_o);
+  fi.mimo_z = cast<float>(gi.mimo_z), fi.z = cast<float>(gi.z), fi.D = cast<float>(gi.D);
+  fi.norm_weight = cast<float>(gi.norm_weight), fi.norm_eps = static_cast<float>(c.norm_eps);
+  fi.angles = cast<float>(gi.angles), fi.dt = cast<float>(gi.dt), fi.trap = cast<float>(gi.trap);
+  fi.da_cs = cast<float>(gi.da_cs), fi.da_cs_rev = cast<float>(gi.da_cs_rev);
+  fi.segsum = cast<float>(gi.segsum);
+  return in;
+}
+
+}  // namespace
+
 CaseReport run_mimo_bwd_fwd_case(const MimoBwdFwdCase& c, Device dev, int repeats) {
   CaseReport rep;
   rep.op = "mimo_bwd_fwd";
@@ -59,86 +160,16 @@ CaseReport run_mimo_bwd_fwd_case(const MimoBwdFwdCase& c, Device dev, int repeat
   rep.dtype = io_name(c.act);
   rep.device = dev;
   try {
-    const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.chunk;
-    const int64_t A = N / c.rdd, nch = (S + C - 1) / C;
+    const int64_t B = c.B, S = c.S, H = c.H, N = c.N, P = c.P, R = c.R, C = c.chunk;
+    const int64_t nch = (S + C - 1) / C;
     std::mt19937_64 rng(c.seed * 0xA24BAED4963EE407ull + 4242);
-    const std::vector<int64_t> dout_shape =
-        c.reduce_o ? std::vector<int64_t>{B, S, H, P} : std::vector<int64_t>{B, S, R, H, P};
-    Buffer dout = make_input(rng, c.act, dout_shape, -1, 1, c.pad);
-    Buffer q = make_input(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
-    Buffer k = make_input(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
-    Buffer v = make_input(rng, c.act, {B, S, H, P}, -1, 1, c.pad);
-    Buffer qb = make_input(rng, c.param, {H, R, N}, -0.5, 0.5, c.pad);
-    Buffer kb = make_input(rng, c.param, {H, R, N}, -0.5, 0.5, c.pad);
-    Buffer mv = make_input(rng, c.param, {H, R, P}, -1, 1, c.pad);
-    Buffer mo, mz, z, d, nw;
-    if (c.reduce_o) mo = make_input(rng, c.param, {H, R, P}, -1, 1, c.pad);
-    if (c.z) {
-      mz = make_input(rng, c.param, {H, R, P}, -1.5, 1.5, c.pad);
-      z = make_input(rng, c.act, {B, S, H, P}, -2, 2, c.pad);
-    }
-    if (c.d) d = make_input(rng, c.param, {H}, -1, 1, c.pad);
-    if (c.norm) nw = make_input(rng, c.param, {H, P}, 0.5, 1.5, c.pad);
-    Buffer angles = make_input(rng, c.decay, {B, S, H, A}, -3, 3, c.pad);
-    Buffer dt = make_input(rng, c.decay, {B, H, S}, 0.05, 0.6, c.pad);
-    Buffer trap = make_input(rng, c.decay, {B, H, S}, -2, 2, c.pad);
-
-    // da_cs, da_cs_rev and segsum from one adt = -a * dt <= 0 (upstream's compute_dacs_segsum),
-    // then rounded to their dtype: from here on they are three independent inputs.
-    MimoInputs<double> dec;
-    dec.B = B, dec.H = H, dec.S = S, dec.chunk_size = C;
-    {
-      const std::vector<double> dtv = dt.to_double();
-      const std::vector<double> a = uniform(rng, B * H * S, 0.1, 1.5, IoType::F64);
-      dec.adt.resize(B * H * S);
-      for (int64_t i = 0; i < B * H * S; ++i) dec.adt[i] = -a[i] * dtv[i];
-      mimo_dacs_segsum(dec);
-    }
-    std::vector<double> da_cs_v = rounded(dec.da_cs, c.decay);
-    std::vector<double> da_cs_rev_v = rounded(dec.da_cs_rev, c.decay);
-    std::vector<double> segsum_v = rounded(dec.segsum, c.decay);
-    if (c.nan_unread) {
-      const double nan = std::numeric_limits<double>::quiet_NaN();
-      const bool partial = S % C != 0;
-      for (int64_t bh = 0; bh < B * H; ++bh) {
-        for (int64_t ch = 0; ch < nch; ++ch)
-          for (int64_t i = 0; i < C; ++i)
-            for (int64_t j = 0; j < C; ++j)
-              if (j >= i || (partial && ch == nch - 1))
-                segsum_v[((bh * nch + ch) * C + i) * C + j] = nan;
-        if (partial)
-          for (int64_t t = (nch - 1) * C; t < S; ++t) da_cs_rev_v[bh * S + t] = nan;
-      }
-    }
-    Buffer da_cs = make_from(c.decay, {B, H, S}, da_cs_v, c.pad);
-    Buffer da_cs_rev = make_from(c.decay, {B, H, S}, da_cs_rev_v, c.pad);
-    Buffer segsum = make_from(c.decay, {B, H, nch, C, C}, segsum_v, c.pad);
-
-    // Golden (double) and reference (float) from exactly the rounded inputs.
-    MimoInputs<double> gi;
-    gi.B = B, gi.S = S, gi.H = H, gi.G = G, gi.N = N, gi.P = P, gi.R = R;
-    gi.rotary_dim_divisor = c.rdd, gi.chunk_size = C;
-    gi.dout = dout.to_double(), gi.q = q.to_double(), gi.k = k.to_double(), gi.v = v.to_double();
-    gi.q_bias = qb.to_double(), gi.k_bias = kb.to_double(), gi.mimo_v = mv.to_double();
-    if (c.reduce_o) gi.mimo_o = mo.to_double();
-    if (c.z) gi.mimo_z = mz.to_double(), gi.z = z.to_double();
-    if (c.d) gi.D = d.to_double();
-    if (c.norm) gi.norm_weight = nw.to_double(), gi.norm_eps = c.norm_eps;
-    gi.angles = angles.to_double(), gi.dt = dt.to_double(), gi.trap = trap.to_double();
-    gi.da_cs = da_cs.to_double(), gi.da_cs_rev = da_cs_rev.to_double();
-    gi.segsum = segsum.to_double();
-    MimoInputs<float> fi;
-    fi.B = B, fi.S = S, fi.H = H, fi.G = G, fi.N = N, fi.P = P, fi.R = R;
-    fi.rotary_dim_divisor = c.rdd, fi.chunk_size = C;
-    fi.dout = cast<float>(gi.dout), fi.q = cast<float>(gi.q), fi.k = cast<float>(gi.k);
-    fi.v = cast<float>(gi.v), fi.q_bias = cast<float>(gi.q_bias),
-    fi.k_bias = cast<float>(gi.k_bias);
-    fi.mimo_v = cast<float>(gi.mimo_v), fi.mimo_o = cast<float>(gi.mimo_o);
-    fi.mimo_z = cast<float>(gi.mimo_z), fi.z = cast<float>(gi.z), fi.D = cast<float>(gi.D);
-    fi.norm_weight = cast<float>(gi.norm_weight), fi.norm_eps = static_cast<float>(c.norm_eps);
-    fi.angles = cast<float>(gi.angles), fi.dt = cast<float>(gi.dt), fi.trap = cast<float>(gi.trap);
-    fi.da_cs = cast<float>(gi.da_cs), fi.da_cs_rev = cast<float>(gi.da_cs_rev);
-    fi.segsum = cast<float>(gi.segsum);
+    MimoFwdInputs in = make_fwd_inputs(c, rng);
+    Buffer &dout = in.dout, &q = in.q, &k = in.k, &v = in.v, &qb = in.qb, &kb = in.kb;
+    Buffer &mv = in.mv, &mo = in.mo, &mz = in.mz, &z = in.z, &d = in.d, &nw = in.nw;
+    Buffer &angles = in.angles, &dt = in.dt, &trap = in.trap, &da_cs = in.da_cs;
+    Buffer &da_cs_rev = in.da_cs_rev, &segsum = in.segsum;
+    const MimoInputs<double>& gi = in.gi;
+    const MimoInputs<float>& fi = in.fi;
     const MimoBwdFwdOutputs<double> gold = mimo_bwd_fwd(gi);
     const MimoBwdFwdOutputs<float> ref = mimo_bwd_fwd(fi);
 
@@ -226,85 +257,15 @@ CaseReport run_mimo_bwd_combined_case(const MimoCombinedCase& c, Device dev, int
   rep.device = dev;
   try {
     const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.chunk;
-    const int64_t A = N / c.rdd, nch = (S + C - 1) / C;
+    const int64_t A = N / c.rdd;
     std::mt19937_64 rng(c.seed * 0xD1B54A32D192ED03ull + 4444);
-    const std::vector<int64_t> dout_shape =
-        c.reduce_o ? std::vector<int64_t>{B, S, H, P} : std::vector<int64_t>{B, S, R, H, P};
-    Buffer dout = make_input(rng, c.act, dout_shape, -1, 1, c.pad);
-    Buffer q = make_input(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
-    Buffer k = make_input(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
-    Buffer v = make_input(rng, c.act, {B, S, H, P}, -1, 1, c.pad);
-    Buffer qb = make_input(rng, c.param, {H, R, N}, -0.5, 0.5, c.pad);
-    Buffer kb = make_input(rng, c.param, {H, R, N}, -0.5, 0.5, c.pad);
-    Buffer mv = make_input(rng, c.param, {H, R, P}, -1, 1, c.pad);
-    Buffer mo, mz, z, d, nw;
-    if (c.reduce_o) mo = make_input(rng, c.param, {H, R, P}, -1, 1, c.pad);
-    if (c.z) {
-      mz = make_input(rng, c.param, {H, R, P}, -1.5, 1.5, c.pad);
-      z = make_input(rng, c.act, {B, S, H, P}, -2, 2, c.pad);
-    }
-    if (c.d) d = make_input(rng, c.param, {H}, -1, 1, c.pad);
-    if (c.norm) nw = make_input(rng, c.param, {H, P}, 0.5, 1.5, c.pad);
-    Buffer angles = make_input(rng, c.decay, {B, S, H, A}, -3, 3, c.pad);
-    Buffer dt = make_input(rng, c.decay, {B, H, S}, 0.05, 0.6, c.pad);
-    Buffer trap = make_input(rng, c.decay, {B, H, S}, -2, 2, c.pad);
-
-    // da_cs, da_cs_rev and segsum from one adt = -a * dt <= 0 (upstream's compute_dacs_segsum),
-    // then rounded to their dtype: from here on they are three independent inputs.
-    MimoInputs<double> dec;
-    dec.B = B, dec.H = H, dec.S = S, dec.chunk_size = C;
-    {
-      const std::vector<double> dtv = dt.to_double();
-      const std::vector<double> a = uniform(rng, B * H * S, 0.1, 1.5, IoType::F64);
-      dec.adt.resize(B * H * S);
-      for (int64_t i = 0; i < B * H * S; ++i) dec.adt[i] = -a[i] * dtv[i];
-      mimo_dacs_segsum(dec);
-    }
-    std::vector<double> da_cs_v = rounded(dec.da_cs, c.decay);
-    std::vector<double> da_cs_rev_v = rounded(dec.da_cs_rev, c.decay);
-    std::vector<double> segsum_v = rounded(dec.segsum, c.decay);
-    if (c.nan_unread) {
-      const double nan = std::numeric_limits<double>::quiet_NaN();
-      const bool partial = S % C != 0;
-      for (int64_t bh = 0; bh < B * H; ++bh) {
-        for (int64_t ch = 0; ch < nch; ++ch)
-          for (int64_t i = 0; i < C; ++i)
-            for (int64_t j = 0; j < C; ++j)
-              if (j >= i || (partial && ch == nch - 1))
-                segsum_v[((bh * nch + ch) * C + i) * C + j] = nan;
-        if (partial)
-          for (int64_t t = (nch - 1) * C; t < S; ++t) da_cs_rev_v[bh * S + t] = nan;
-      }
-    }
-    Buffer da_cs = make_from(c.decay, {B, H, S}, da_cs_v, c.pad);
-    Buffer da_cs_rev = make_from(c.decay, {B, H, S}, da_cs_rev_v, c.pad);
-    Buffer segsum = make_from(c.decay, {B, H, nch, C, C}, segsum_v, c.pad);
-
-    // Golden (double) and reference (float) from exactly the rounded inputs.
-    MimoInputs<double> gi;
-    gi.B = B, gi.S = S, gi.H = H, gi.G = G, gi.N = N, gi.P = P, gi.R = R;
-    gi.rotary_dim_divisor = c.rdd, gi.chunk_size = C;
-    gi.dout = dout.to_double(), gi.q = q.to_double(), gi.k = k.to_double(), gi.v = v.to_double();
-    gi.q_bias = qb.to_double(), gi.k_bias = kb.to_double(), gi.mimo_v = mv.to_double();
-    if (c.reduce_o) gi.mimo_o = mo.to_double();
-    if (c.z) gi.mimo_z = mz.to_double(), gi.z = z.to_double();
-    if (c.d) gi.D = d.to_double();
-    if (c.norm) gi.norm_weight = nw.to_double(), gi.norm_eps = c.norm_eps;
-    gi.angles = angles.to_double(), gi.dt = dt.to_double(), gi.trap = trap.to_double();
-    gi.da_cs = da_cs.to_double(), gi.da_cs_rev = da_cs_rev.to_double();
-    gi.segsum = segsum.to_double();
-    MimoInputs<float> fi;
-    fi.B = B, fi.S = S, fi.H = H, fi.G = G, fi.N = N, fi.P = P, fi.R = R;
-    fi.rotary_dim_divisor = c.rdd, fi.chunk_size = C;
-    fi.dout = cast<float>(gi.dout), fi.q = cast<float>(gi.q), fi.k = cast<float>(gi.k);
-    fi.v = cast<float>(gi.v), fi.q_bias = cast<float>(gi.q_bias),
-    fi.k_bias = cast<float>(gi.k_bias);
-    fi.mimo_v = cast<float>(gi.mimo_v), fi.mimo_o = cast<float>(gi.mimo_o);
-    fi.mimo_z = cast<float>(gi.mimo_z), fi.z = cast<float>(gi.z), fi.D = cast<float>(gi.D);
-    fi.norm_weight = cast<float>(gi.norm_weight), fi.norm_eps = static_cast<float>(c.norm_eps);
-    fi.angles = cast<float>(gi.angles), fi.dt = cast<float>(gi.dt), fi.trap = cast<float>(gi.trap);
-    fi.da_cs = cast<float>(gi.da_cs), fi.da_cs_rev = cast<float>(gi.da_cs_rev);
-    fi.segsum = cast<float>(gi.segsum);
+    MimoFwdInputs in = make_fwd_inputs(c, rng);
+    Buffer &dout = in.dout, &q = in.q, &k = in.k, &v = in.v, &qb = in.qb, &kb = in.kb;
+    Buffer &mv = in.mv, &mo = in.mo, &mz = in.mz, &z = in.z, &d = in.d, &nw = in.nw;
+    Buffer &angles = in.angles, &dt = in.dt, &trap = in.trap, &da_cs = in.da_cs;
+    Buffer &da_cs_rev = in.da_cs_rev, &segsum = in.segsum;
+    const MimoInputs<double>& gi = in.gi;
+    const MimoInputs<float>& fi = in.fi;
     const MimoCombinedOutputs<double> gold = mimo_bwd_combined(gi);
     const MimoCombinedOutputs<float> ref = mimo_bwd_combined(fi);
 
