@@ -1,6 +1,7 @@
-// The pairwise case grid of mamba3_mimo_bwd_fwd, shared by the CPU and CUDA suites
-// (tests/cpp/test_mimo_bwd_fwd_{cpu,cuda}.cpp): one set of axes, each suite choosing only its
-// sequence lengths, its cost bound and its seeds.
+// The pairwise case grid over the first pass's inputs, shared by the mamba3_mimo_bwd_fwd suites
+// (tests/cpp/test_mimo_bwd_fwd_{cpu,cuda}.cpp) and the combined backward's
+// (test_mimo_bwd_combined_cpu.cpp): one set of axes, each suite choosing only its case type,
+// sequence lengths, cost model, cost bound and seeds.
 //
 // A pairwise covering array over every axis of the brief (dtype sets, output dtype, R, N, P, C,
 // S with partial last chunks, gate / norm, reduce-O or per-rank dout, D, GQA, B, rotary divisor,
@@ -48,32 +49,36 @@ struct GridOptions {
   double max_cost;            // cases above this many flops are left out
   uint64_t pairwise_seed;     // the covering array's seed
   uint64_t first_case_seed;   // input seeds are first_case_seed, +1, ...
+  // Cost model: flops per (b, h, step) = state_flops R N P + chunk_flops min(C, S) R^2 (N + P).
+  double state_flops = 4, chunk_flops = 0.5;
 };
 
 // Work of one case in flops (the operator's count; the golden and the float reference cost a
 // small multiple of it). Unset axes count at their smallest value, so the bound only excludes
 // combinations that are too large whatever the other axes are.
-inline double case_cost(const Assignment& a, const std::vector<int64_t>& S_axis) {
+inline double case_cost(const Assignment& a, const GridOptions& o) {
   auto val = [&](int axis, const int64_t* values) {
     return double(values[a[axis] < 0 ? 0 : a[axis]]);
   };
   const double R = val(kAxR, kR), N = val(kAxN, kN), P = val(kAxP, kP), C = val(kAxC, kC);
-  const double S = val(kAxS, S_axis.data()), B = val(kAxB, kB);
+  const double S = val(kAxS, o.S.data()), B = val(kAxB, kB);
   const double H = a[kAxGH] < 0 ? 1.0 : double(kGH[a[kAxGH]][1]);
-  return B * H * S * (4 * R * N * P + 0.5 * std::min(C, S) * R * R * (N + P));
+  return B * H * S * (o.state_flops * R * N * P + o.chunk_flops * std::min(C, S) * R * R * (N + P));
 }
 
-inline std::vector<MimoBwdFwdCase> grid(const GridOptions& o) {
+// Case: MimoBwdFwdCase or golden::MimoCombinedCase (the same fields).
+template <class Case = MimoBwdFwdCase>
+std::vector<Case> grid(const GridOptions& o) {
   const std::vector<int> sizes = {5, 3, 4, 5, 3, 4, static_cast<int>(o.S.size()), 3, 2, 2, 3, 2, 2, 2};
   auto ok = [&](const Assignment& a) {
     // The norm sits between readout and reduce-O projection: it needs mimo_o (and the gate).
     if (a[kAxGate] == kGateZNorm && a[kAxReduce] == 1) return false;
-    return case_cost(a, o.S) <= o.max_cost;
+    return case_cost(a, o) <= o.max_cost;
   };
-  std::vector<MimoBwdFwdCase> cases;
+  std::vector<Case> cases;
   uint64_t seed = o.first_case_seed;
   for (const Assignment& a : pairwise(sizes, ok, o.pairwise_seed)) {
-    MimoBwdFwdCase c;
+    Case c;
     c.act = kDtypes[a[kAxDtype]].act;
     c.param = kDtypes[a[kAxDtype]].param;
     c.decay = kDtypes[a[kAxDtype]].decay;

@@ -20,6 +20,7 @@
 #include "mamba3/mamba3.h"
 #include "mamba3_golden/host.hpp"
 #include "mamba3_golden/mimo_cases.hpp"
+#include "mimo_bwd_fwd_grid.hpp"
 #include "pairwise.hpp"
 
 namespace {
@@ -29,88 +30,13 @@ using namespace mamba3::golden;
 using mamba3::test::Assignment;
 using mamba3::test::pairwise;
 
-struct DtypeSet {
-  IoType act, param, decay;
-};
-const DtypeSet kDtypes[] = {{IoType::F32, IoType::F32, IoType::F32},
-                            {IoType::F16, IoType::F32, IoType::F32},
-                            {IoType::BF16, IoType::F32, IoType::F32},
-                            {IoType::F16, IoType::F16, IoType::F16},
-                            {IoType::BF16, IoType::BF16, IoType::BF16}};
-const IoType kOut[] = {IoType::F32, IoType::F16, IoType::BF16};
-const int64_t kR[] = {1, 2, 4, 8};
-const int64_t kN[] = {16, 32, 64, 128, 256};
-const int64_t kP[] = {32, 64, 128};
-const int64_t kC[] = {8, 16, 32, 64};
-const int64_t kS[] = {5, 33, 40, 50, 64, 100};
-enum Gate { kNoGate, kGateZ, kGateZNorm };
-const int64_t kGH[][2] = {{1, 1}, {1, 2}, {2, 4}};
-const int64_t kB[] = {1, 2};
-const int64_t kRdd[] = {2, 4};
-const int64_t kPad[] = {0, 3};
+using namespace mimo_bf;  // the axes: kDtypes, kOut, kR, kN, kP, kC, kGH, kB, kRdd
 
-enum Axis {
-  kAxDtype,
-  kAxOut,
-  kAxR,
-  kAxN,
-  kAxP,
-  kAxC,
-  kAxS,
-  kAxGate,
-  kAxReduce,
-  kAxD,
-  kAxGH,
-  kAxB,
-  kAxRdd,
-  kAxPad,
-  kNumAxes
-};
+const std::vector<int64_t> kS = {5, 33, 40, 50, 64, 100};
 
-// Work of one case in flops (both passes; the goldens cost a small multiple of it).
-double case_cost(const Assignment& a) {
-  auto val = [&](int axis, const int64_t* values) {
-    return double(values[a[axis] < 0 ? 0 : a[axis]]);
-  };
-  const double R = val(kAxR, kR), N = val(kAxN, kN), P = val(kAxP, kP), C = val(kAxC, kC);
-  const double S = val(kAxS, kS), B = val(kAxB, kB);
-  const double H = a[kAxGH] < 0 ? 1.0 : double(kGH[a[kAxGH]][1]);
-  return B * H * S * (9 * R * N * P + 2.5 * std::min(C, S) * R * R * (N + P));
-}
-constexpr double kMaxCaseCost = 1.5e8;
-
+// Both passes' work per (b, h, step) in the cost model (the goldens cost a small multiple of it).
 std::vector<MimoCombinedCase> grid() {
-  const std::vector<int> sizes = {5, 3, 4, 5, 3, 4, 6, 3, 2, 2, 3, 2, 2, 2};
-  auto ok = [](const Assignment& a) {
-    if (a[kAxGate] == kGateZNorm && a[kAxReduce] == 1) return false;  // the norm needs mimo_o
-    return case_cost(a) <= kMaxCaseCost;
-  };
-  std::vector<MimoCombinedCase> cases;
-  uint64_t seed = 1;
-  for (const Assignment& a : pairwise(sizes, ok, 20240617)) {
-    MimoCombinedCase c;
-    c.act = kDtypes[a[kAxDtype]].act;
-    c.param = kDtypes[a[kAxDtype]].param;
-    c.decay = kDtypes[a[kAxDtype]].decay;
-    c.out = kOut[a[kAxOut]];
-    c.R = kR[a[kAxR]];
-    c.N = kN[a[kAxN]];
-    c.P = kP[a[kAxP]];
-    c.chunk = kC[a[kAxC]];
-    c.S = kS[a[kAxS]];
-    c.z = a[kAxGate] != kNoGate;
-    c.norm = a[kAxGate] == kGateZNorm;
-    c.reduce_o = a[kAxReduce] == 0;
-    c.d = a[kAxD] == 1;
-    c.G = kGH[a[kAxGH]][0];
-    c.H = kGH[a[kAxGH]][1];
-    c.B = kB[a[kAxB]];
-    c.rdd = kRdd[a[kAxRdd]];
-    c.pad = kPad[a[kAxPad]];
-    c.seed = seed++;
-    cases.push_back(c);
-  }
-  return cases;
+  return mimo_bf::grid<MimoCombinedCase>({kS, 1.5e8, 20240617, 1, 9, 2.5});
 }
 
 TEST(MimoBwdCombinedCpu, GridMatchesGolden) {
