@@ -163,14 +163,9 @@ int main(int argc, char** argv) {
     reports.push_back(run_mimo_bwd_fwd_case(c, dev, 2));
   for (const auto& c : mimo_bwd_bwd_cases(quick))
     reports.push_back(run_mimo_bwd_bwd_case(c, dev, 2));
-  // mimo_bwd_combined has no CUDA kernels yet (its C API refuses CUDA tensors): its rows run on
-  // the CPU only, and a CUDA run says so in the report instead of failing on a known gap.
-  const bool combined_rows = dev == Device::CPU;
-  if (combined_rows) {
-    // The combined backward: the first pass's cases (gate, norm, per rank, D, GQA, tails).
-    for (const auto& c : mimo_bwd_fwd_cases(quick))
-      reports.push_back(run_mimo_bwd_combined_case(c, dev, 2));
-  }
+  // The combined backward: the first pass's cases (gate, norm, per rank, D, GQA, tails).
+  for (const auto& c : mimo_bwd_fwd_cases(quick))
+    reports.push_back(run_mimo_bwd_combined_case(c, dev, 2));
 
   std::ostringstream md;
   md << "# mamba3-selfcheck\n\n"
@@ -202,9 +197,6 @@ int main(int argc, char** argv) {
          << fmt(r.time_ms) << " |\n";
     }
   }
-  if (!combined_rows)
-    md << "\n- mimo_bwd_combined: not run on " << device_name(dev)
-       << " (its CUDA backend is not built yet; run `--device cpu` for its rows)\n";
   md << "\n**" << (failures ? "FAIL" : "PASS") << "**: " << reports.size() << " cases, "
      << failures << " failing rows\n";
   std::cout << md.str();

@@ -244,8 +244,8 @@ MAMBA3_API mamba3_status mamba3_mimo_bwd_bwd(
  *   dz           [B,S,H,P]    f16 / bf16 / f32 exactly with z
  *   dnorm_weight [H,P]        f32 exactly with norm_weight (summed over batch and rank)
  * Meaning: golden/include/mamba3_golden/mimo_bwd_bwd.hpp (mimo_bwd_combined). The first pass's
- * intermediates are the backend's scratch (no workspace on the CPU). The CUDA backend of this
- * operator is not built yet: CUDA tensors get MAMBA3_ERROR_UNSUPPORTED.
+ * intermediates are the backend's scratch: float32 in the workspace on CUDA (its size from
+ * mamba3_mimo_bwd_combined_workspace_size; none on the CPU).
  * ------------------------------------------------------------------------------------------- */
 MAMBA3_API mamba3_status mamba3_mimo_bwd_combined_workspace_size(
     const DLTensor* dout, const DLTensor* q, const DLTensor* k, const DLTensor* v,

@@ -59,8 +59,8 @@ torch's allocator).
 
 The combined backward (upstream's mamba_mimo_bwd_combined, its argument and return order): both
 passes and the reductions, gradients of sum(dout * out) w.r.t. the raw inputs (dadt is upstream's
-ddA). Registered as torch.ops.mamba3.mimo_bwd_combined; CPU tensors only for now (its CUDA
-backend is not built yet).
+ddA). Registered as torch.ops.mamba3.mimo_bwd_combined; CPU and CUDA tensors (on CUDA the first
+pass's intermediates live in a float32 workspace from torch's allocator).
 """
 from __future__ import annotations
 
@@ -470,15 +470,18 @@ class _CBFns:
         lib = _lib.load()
         try:
             run = lib.lib.mamba3_mimo_bwd_combined
+            ws = lib.lib.mamba3_mimo_bwd_combined_workspace_size
         except AttributeError as e:
             raise RuntimeError(f"{lib.path} has no mamba3_mimo_bwd_combined: {e}") from None
         vp = ctypes.c_void_p
-        # 17 inputs, chunk_size, rotary_dim_divisor, norm_weight, norm_eps, 15 outputs,
-        # workspace, bytes, stream
-        run.argtypes = ([vp] * 17 + [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_double]
-                        + [vp] * _CB_NOUT + [vp, ctypes.c_size_t, vp])
+        # 17 inputs, chunk_size, rotary_dim_divisor, norm_weight, norm_eps, 15 outputs, then
+        # workspace, bytes, stream (run) or the result pointer (workspace size)
+        head = [vp] * 17 + [ctypes.c_int64, ctypes.c_int64, vp, ctypes.c_double]
+        run.argtypes = head + [vp] * _CB_NOUT + [vp, ctypes.c_size_t, vp]
         run.restype = ctypes.c_int
-        self.run = run
+        ws.argtypes = head + [vp] * _CB_NOUT + [ctypes.POINTER(ctypes.c_size_t)]
+        ws.restype = ctypes.c_int
+        self.run, self.workspace_size = run, ws
 
 
 _CB = None
@@ -512,14 +515,33 @@ def _cb_functional(ins, norm_eps, chunk_size, rdd, output_dtype):
                      lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
     F = _CB or _CBFns()
     _CB = F
-    stream = stream_of(q.get_device()) if q.is_cuda else None
+    _cb_launch(F, ins, norm_eps, chunk_size, rdd, outs)
+    return outs
+
+
+def _cb_launch(F, ins, norm_eps, chunk_size, rdd, outs):
+    q = ins[1]
+    stream, ws, ws_bytes = None, None, 0
     buf, a, kept = _pack(tuple(ins) + tuple(outs), _CB_NAMES, _CB_NIN, True)
-    # The library refuses CUDA tensors for now (no kernels yet) and never runs the CPU path on
-    # them; it needs no workspace on the CPU.
-    rc = F.run(*a[:17], chunk_size, rdd, a[17], norm_eps, *a[_CB_NIN:], None, 0, stream)
+    if q.is_cuda:
+        # torch's current stream of q's device; the workspace from torch's allocator (so the
+        # call is capturable in a CUDA graph). The CPU backend needs none.
+        dev = q.get_device()
+        if dev != torch.cuda.current_device():
+            with torch.cuda.device(dev):
+                return _cb_launch(F, ins, norm_eps, chunk_size, rdd, outs)
+        stream = stream_of(dev)
+        n = ctypes.c_size_t(0)
+        rc = F.workspace_size(*a[:17], chunk_size, rdd, a[17], norm_eps, *a[_CB_NIN:],
+                              ctypes.byref(n))
+        if rc:
+            _lib.raise_status(rc)
+        ws_bytes = n.value
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device) if ws_bytes else None
+    rc = F.run(*a[:17], chunk_size, rdd, a[17], norm_eps, *a[_CB_NIN:],
+               None if ws is None else ws.data_ptr(), ws_bytes, stream)
     if rc:
         _lib.raise_status(rc)
-    return outs
 
 
 @torch.library.custom_op("mamba3::mimo_bwd_combined", mutates_args=())
@@ -563,7 +585,7 @@ def mamba3_mimo_bwd_combined(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bi
     dangles, dd, dz, dnorm_weight), None where the input is absent. dq, dk [B,S,R,G,N], dv and dz
     in output_dtype (default: the dtype of q, k, v, v); the rest f32 (shapes:
     include/mamba3/mamba3.h). norm_weight selects the fused pre-gate RMSNorm (upstream's
-    fuse_pregate_headwise_rms_norm with outproj_norm_weight). CPU tensors only for now."""
+    fuse_pregate_headwise_rms_norm with outproj_norm_weight). CPU or CUDA tensors."""
     d = d if D is None else _d_arg(d, D)
     chunk_size = _index(chunk_size, "chunk_size")
     rotary_dim_divisor = _index(rotary_dim_divisor, "rotary_dim_divisor")

@@ -50,15 +50,6 @@ mamba3_status guarded(F&& f) {
               "backend (configure with -DMAMBA3_CUDA=ON)");
 }
 
-
-// Operators whose CUDA kernels do not exist yet refuse CUDA tensors in every build: the CPU
-// backend never runs on device memory.
-[[noreturn]] void no_cuda_kernels_yet(const char* op) {
-  MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, op,
-              ": tensors are on a CUDA device, but the CUDA backend of this operator is not built "
-              "yet (only CPU tensors are supported for now)");
-}
-
 }  // namespace
 
 extern "C" {
@@ -279,7 +270,13 @@ mamba3_status mamba3_mimo_bwd_combined_workspace_size(
         dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, da_cs, da_cs_rev, dt,
         trap, d, segsum, chunk_size, rotary_dim_divisor, norm_weight, norm_eps, dq, dk, dv, dadt,
         ddt, dtrap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o, dangles, dd, dz, dnorm_weight);
-    if (p.fwd.device == DeviceKind::CUDA) no_cuda_kernels_yet("mimo_bwd_combined");
+    if (p.fwd.device == DeviceKind::CUDA) {
+#ifdef MAMBA3_WITH_CUDA
+      *workspace_bytes = cuda::mimo_bwd_combined_workspace_bytes(p);
+#else
+      no_cuda_build("mimo_bwd_combined");
+#endif
+    }
   });
 }
 
@@ -295,15 +292,20 @@ mamba3_status mamba3_mimo_bwd_combined(
     DLTensor* dz, DLTensor* dnorm_weight, void* workspace, size_t workspace_bytes, void* stream) {
   return guarded([&] {
     using namespace mamba3;
-    (void)workspace, (void)workspace_bytes, (void)stream;
     MimoCombinedParams p = make_mimo_combined_params(
         dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, z, mimo_z, angles, da_cs, da_cs_rev, dt,
         trap, d, segsum, chunk_size, rotary_dim_divisor, norm_weight, norm_eps, dq, dk, dv, dadt,
         ddt, dtrap, dq_bias, dk_bias, dmimo_v, dmimo_z, dmimo_o, dangles, dd, dz, dnorm_weight);
-    if (p.fwd.device == DeviceKind::CPU)
+    if (p.fwd.device == DeviceKind::CPU) {
       cpu::mimo_bwd_combined(p);
-    else
-      no_cuda_kernels_yet("mimo_bwd_combined");
+    } else {
+#ifdef MAMBA3_WITH_CUDA
+      cuda::mimo_bwd_combined(p, workspace, workspace_bytes, stream);
+#else
+      (void)workspace, (void)workspace_bytes, (void)stream;
+      no_cuda_build("mimo_bwd_combined");
+#endif
+    }
   });
 }
 

@@ -1,5 +1,6 @@
 // CUDA backend of the MIMO backward passes: mamba3_mimo_bwd_fwd (src/cuda/mimo_bwd_fwd*.cu) and
-// mamba3_mimo_bwd_bwd (src/cuda/mimo_bwd_bwd.cu). Host-side entry points: they validate what
+// mamba3_mimo_bwd_bwd (src/cuda/mimo_bwd_bwd.cu), and their composition mamba3_mimo_bwd_combined
+// (src/cuda/mimo_bwd_combined.cu). Host-side entry points: they validate what
 // only the CUDA path requires, pick the kernel instantiation and launch on `stream`; no host
 // synchronisation, no allocation (the caller's workspace), capturable in a CUDA graph.
 #pragma once
@@ -7,6 +8,7 @@
 #include <cstddef>
 
 #include "core/mimo_bwd_bwd_params.hpp"
+#include "core/mimo_combined_params.hpp"
 #include "core/mimo_bwd_params.hpp"
 
 namespace mamba3::cuda {
@@ -20,5 +22,11 @@ void mimo_bwd_fwd(const MimoBwdFwdParams& p, void* workspace, size_t workspace_b
 size_t mimo_bwd_bwd_workspace_bytes(const MimoBwdBwdParams& p);
 void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_bytes,
                   void* stream);
+
+// Bytes of device workspace mimo_bwd_combined needs (the first pass's intermediates, the second
+// pass's per-head outputs, both passes' own workspace and the reductions' partials).
+size_t mimo_bwd_combined_workspace_bytes(const MimoCombinedParams& p);
+void mimo_bwd_combined(const MimoCombinedParams& p, void* workspace, size_t workspace_bytes,
+                       void* stream);
 
 }  // namespace mamba3::cuda

@@ -1,0 +1,483 @@
+// CUDA backend of mamba3_mimo_bwd_combined (upstream's mamba_mimo_bwd_combined): the first pass
+// (mimo_bwd_fwd.cu) and the second pass (mimo_bwd_bwd.cu) on float32 intermediates kept in the
+// caller's workspace, then the reductions to the raw inputs' gradients that upstream runs as
+// separate Triton kernels and torch sums. Formulas: golden/include/mamba3_golden/mimo_bwd_bwd.hpp
+// (mimo_bwd_combined) and the CPU backend (src/cpu/mimo_bwd_combined.cpp), which this mirrors.
+//
+// Launches after the two passes (all deterministic: fixed-order sums, no atomics):
+//   gate   (z without the norm): the gated per-rank dout the second pass takes,
+//          dL/dy^r = dout (Phi^r) * silu(z Zeta^r), before the second pass.
+//   qk     dq / dk summed over the heads of each q/k group, written in the caller's dtype, and
+//          per-(row segment) partial sums of the per-head gradients (the bias gradients): one
+//          read of the per-head gradients for both.
+//   bias   the segment partials summed in order (compensated) -> dq_bias, dk_bias.
+//   batch  the per-batch parameter gradients summed over the batch (dmimo_v/o/z, dD, the norm
+//          weight also over R).
+//   time   one CTA per (b, h, chunk): ddt and dtrap from DFACTOR / DGAMMA, and dadt from DSSDA,
+//          DDA_CS, DDA_CS_REV and DDA (the chunk sums behind da_cs, da_cs_rev and segsum).
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+#include "core/error.hpp"
+#include "core/mimo_combined_params.hpp"
+#include "cuda/common.cuh"
+#include "cuda/mimo_bwd.hpp"
+
+namespace mamba3::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kSegRows = 32;  // rows (b, t) per partial of the bias sums
+constexpr int kMaxC = 64;     // largest chunk size the params allow
+constexpr size_t kAlign = 256;
+
+// A tensor as these kernels see it: byte pointer, runtime dtype, element strides (up to 5 dims).
+struct View {
+  unsigned char* p = nullptr;
+  int dt = kF32;
+  int64_t s[5] = {0, 0, 0, 0, 0};
+};
+
+View view_of(const TensorView& t) {
+  View v;
+  v.p = static_cast<unsigned char*>(t.data);
+  v.dt = static_cast<int>(t.dtype);
+  for (int i = 0; i < t.ndim && i < 5; ++i) v.s[i] = t.strides[i];
+  return v;
+}
+
+__device__ __forceinline__ float ld(const View& v, int64_t off) {
+  return load_rt(v.p + off * dt_size(v.dt), v.dt);
+}
+__device__ __forceinline__ void st(const View& v, int64_t off, float x) {
+  store_rt(v.p + off * dt_size(v.dt), v.dt, x);
+}
+__device__ __forceinline__ float sigmoid_acc(float x) { return 1.f / (1.f + expf(-x)); }
+
+// ------------------------------------------------------------------ kernels
+
+struct GateArgs {
+  int64_t B, S, R, H, P;
+  int reduce_o;
+  View dout, z, mimo_z, mimo_o;
+  float* gated;  // [B, S, R, H, P] compact
+};
+
+__global__ void __launch_bounds__(kThreads) cb_gate_kernel(const __grid_constant__ GateArgs a) {
+  const int64_t n = a.B * a.S * a.R * a.H * a.P;
+  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * kThreads) {
+    int64_t x = i;
+    const int64_t p = x % a.P;
+    x /= a.P;
+    const int64_t h = x % a.H;
+    x /= a.H;
+    const int64_t r = x % a.R;
+    x /= a.R;
+    const int64_t t = x % a.S;
+    const int64_t b = x / a.S;
+    const float u = ld(a.z, b * a.z.s[0] + t * a.z.s[1] + h * a.z.s[2] + p * a.z.s[3]) *
+                    ld(a.mimo_z, h * a.mimo_z.s[0] + r * a.mimo_z.s[1] + p * a.mimo_z.s[2]);
+    const float d =
+        a.reduce_o
+            ? ld(a.dout, b * a.dout.s[0] + t * a.dout.s[1] + h * a.dout.s[2] + p * a.dout.s[3]) *
+                  ld(a.mimo_o, h * a.mimo_o.s[0] + r * a.mimo_o.s[1] + p * a.mimo_o.s[2])
+            : ld(a.dout, b * a.dout.s[0] + t * a.dout.s[1] + r * a.dout.s[2] + h * a.dout.s[3] +
+                             p * a.dout.s[4]);
+    a.gated[i] = d * (u * sigmoid_acc(u));
+  }
+}
+
+struct QkArgs {
+  int64_t B, S, R, H, G, N;
+  int64_t nseg;         // ceil(B*S / kSegRows)
+  const float* src[2];  // per-head dq / dk [B, S*R, H, N] compact
+  View out[2];          // dq / dk [B, S, R, G, N]
+  float* part;          // [2][nseg][R*H*N] segment partials
+};
+
+// grid: (ceil(R*G*N / kThreads), <= nseg, 2). A thread owns one (r, g, n) over the kSegRows rows
+// of a segment; the per-head sums over the group run in ascending h (as the CPU backend's).
+__global__ void __launch_bounds__(kThreads) cb_qk_kernel(const __grid_constant__ QkArgs a) {
+  const int64_t col = blockIdx.x * int64_t{kThreads} + threadIdx.x;
+  if (col >= a.R * a.G * a.N) return;
+  const int which = blockIdx.z;
+  const int64_t n = col % a.N, g = (col / a.N) % a.G, r = col / (a.N * a.G);
+  const int64_t M = a.B * a.S, hpg = a.H / a.G, rhn = a.R * a.H * a.N;
+  const float* src = a.src[which];
+  const View& o = a.out[which];
+  for (int64_t seg = blockIdx.y; seg < a.nseg; seg += gridDim.y) {
+  const int64_t row0 = seg * kSegRows;
+  const int rows = M - row0 < kSegRows ? static_cast<int>(M - row0) : kSegRows;
+  float rs[kSegRows];
+#pragma unroll
+  for (int i = 0; i < kSegRows; ++i) rs[i] = 0.f;
+  for (int64_t h = g * hpg; h < (g + 1) * hpg; ++h) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < kSegRows; ++i) {
+      if (i < rows) {
+        const float x = src[(((row0 + i) * a.R + r) * a.H + h) * a.N + n];
+        rs[i] += x;
+        acc += x;
+      }
+    }
+    a.part[(which * a.nseg + seg) * rhn + (r * a.H + h) * a.N + n] = acc;
+  }
+#pragma unroll
+  for (int i = 0; i < kSegRows; ++i) {
+    if (i < rows) {
+      const int64_t b = (row0 + i) / a.S, t = (row0 + i) % a.S;
+      st(o, b * o.s[0] + t * o.s[1] + r * o.s[2] + g * o.s[3] + n * o.s[4], rs[i]);
+    }
+  }
+  }
+}
+
+struct BiasArgs {
+  int64_t R, H, N, nseg;
+  const float* part;
+  View out[2];  // dq_bias / dk_bias [H, R, N]
+};
+
+// grid: (ceil(R*H*N / kThreads), 2). One thread per bias entry, the segments summed in order.
+__global__ void __launch_bounds__(kThreads) cb_bias_kernel(const __grid_constant__ BiasArgs a) {
+  const int64_t rhn = a.R * a.H * a.N;
+  const int64_t col = blockIdx.x * int64_t{kThreads} + threadIdx.x;
+  if (col >= rhn) return;
+  const int which = blockIdx.y;
+  const float* part = a.part + which * a.nseg * rhn + col;
+  float s = 0.f, c = 0.f;  // Kahan: the partials are many (B*S/32) and of mixed sign
+  for (int64_t k = 0; k < a.nseg; ++k) {
+    const float y = part[k * rhn] - c;
+    const float t = s + y;
+    c = (t - s) - y;
+    s = t;
+  }
+  const int64_t n = col % a.N, h = (col / a.N) % a.H, r = col / (a.N * a.H);
+  const View& o = a.out[which];
+  st(o, h * o.s[0] + r * o.s[1] + n * o.s[2], s);
+}
+
+struct BatchArgs {
+  int64_t B, H, R, P;
+  const float* dmv;  // each [B, H, R, P] compact (dd [B, H]); nullptr when absent
+  const float* dmo;
+  const float* dmz;
+  const float* dnw;
+  const float* dd;
+  View o_dmv, o_dmo, o_dmz, o_dnw, o_dd;
+};
+
+// One thread per output entry over the concatenation dmimo_v | dmimo_o | dmimo_z | dnorm | dD.
+__global__ void __launch_bounds__(kThreads) cb_batch_kernel(const __grid_constant__ BatchArgs a) {
+  int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x;
+  const int64_t hrp = a.H * a.R * a.P, hp = a.H * a.P;
+  const float* srcs[3] = {a.dmv, a.dmo, a.dmz};
+  const View* outs[3] = {&a.o_dmv, &a.o_dmo, &a.o_dmz};
+  for (int k = 0; k < 3; ++k) {
+    if (i < hrp) {
+      if (srcs[k] == nullptr) return;
+      float s = 0.f;
+      for (int64_t b = 0; b < a.B; ++b) s += srcs[k][b * hrp + i];
+      const int64_t p = i % a.P, r = (i / a.P) % a.R, h = i / (a.P * a.R);
+      const View& o = *outs[k];
+      st(o, h * o.s[0] + r * o.s[1] + p * o.s[2], s);
+      return;
+    }
+    i -= hrp;
+  }
+  if (i < hp) {
+    if (a.dnw == nullptr) return;
+    const int64_t p = i % a.P, h = i / a.P;
+    float s = 0.f;
+    for (int64_t b = 0; b < a.B; ++b)
+      for (int64_t r = 0; r < a.R; ++r) s += a.dnw[((b * a.H + h) * a.R + r) * a.P + p];
+    st(a.o_dnw, h * a.o_dnw.s[0] + p * a.o_dnw.s[1], s);
+    return;
+  }
+  i -= hp;
+  if (i < a.H && a.dd != nullptr) {
+    float s = 0.f;
+    for (int64_t b = 0; b < a.B; ++b) s += a.dd[b * a.H + i];
+    st(a.o_dd, i * a.o_dd.s[0], s);
+  }
+}
+
+struct TimeArgs {
+  int64_t B, H, S, C, nch;
+  View dt, trap, da_cs, da_cs_rev, segsum;
+  // second-pass outputs, compact f32: [B, H, S] and dssda [B, H, nch, C, C]
+  const float *dfac, *dgam, *dda, *drev, *dcs, *dssda;
+  View ddt, dtrap, dadt;
+};
+
+// One CTA of kMaxC threads per (b, h, chunk); thread m owns position s0 + m.
+//   ddt_t   = lam_t (DGAMMA_t + DFACTOR_t) + (1 - lam_t) DFACTOR_{t-1}
+//   dtrap_t = lam_t (1 - lam_t) dt_t (DGAMMA_t + DFACTOR_t - DFACTOR_{t-1})
+//   dadt_m  = sum_{t>=m} e^{da_cs_t} DDA_CS_t + sum_{t<m} e^{da_cs_rev_t} DDA_CS_REV_t
+//           + sum_{j<m<=i} e^{segsum_ij} DSSDA_ji + DDA_m
+// (adt_m enters da_cs_t for t >= m, da_cs_rev_t for t < m, and segsum_ij for j < m <= i).
+// In a partial last chunk da_cs_rev and segsum are rebuilt from the edge-extended da_cs, as the
+// first pass's tail contract says.
+__global__ void __launch_bounds__(kMaxC) cb_time_kernel(const __grid_constant__ TimeArgs a) {
+  __shared__ float dcs[kMaxC], E[kMaxC], F[kMaxC];
+  __shared__ float W[kMaxC][kMaxC + 1];  // W[j][i] = e^{segsum_ij} DSSDA_ji (j < i)
+  const int64_t c = blockIdx.x % a.nch, bh = blockIdx.x / a.nch;
+  const int64_t h = bh % a.H, b = bh / a.H;
+  const int64_t s0 = c * a.C;
+  const int L = static_cast<int>(a.S - s0 < a.C ? a.S - s0 : a.C);
+  const bool partial = L < a.C;
+  const int m = threadIdx.x;
+  const int64_t row = bh * a.S;
+  if (m < L) {
+    const int64_t t = s0 + m;
+    const float dtv = ld(a.dt, b * a.dt.s[0] + h * a.dt.s[1] + t * a.dt.s[2]);
+    const float lam = sigmoid_acc(ld(a.trap, b * a.trap.s[0] + h * a.trap.s[1] + t * a.trap.s[2]));
+    const float both = a.dgam[row + t] + a.dfac[row + t];
+    const float prev = t > 0 ? a.dfac[row + t - 1] : 0.f;
+    st(a.ddt, b * a.ddt.s[0] + h * a.ddt.s[1] + t * a.ddt.s[2], lam * both + (1.f - lam) * prev);
+    st(a.dtrap, b * a.dtrap.s[0] + h * a.dtrap.s[1] + t * a.dtrap.s[2],
+       lam * (1.f - lam) * dtv * (both - prev));
+    dcs[m] = ld(a.da_cs, b * a.da_cs.s[0] + h * a.da_cs.s[1] + t * a.da_cs.s[2]);
+  }
+  __syncthreads();
+  if (m < L) {
+    const int64_t t = s0 + m;
+    E[m] = expf(dcs[m]) * a.dcs[row + t];
+    const float rev =
+        partial ? dcs[L - 1] - dcs[m]
+                : ld(a.da_cs_rev, b * a.da_cs_rev.s[0] + h * a.da_cs_rev.s[1] + t * a.da_cs_rev.s[2]);
+    F[m] = expf(rev) * a.drev[row + t];
+  }
+  const float* dss = a.dssda + (bh * a.nch + c) * a.C * a.C;
+  for (int idx = m; idx < L * L; idx += kMaxC) {
+    const int i = idx % L, j = idx / L;  // consecutive threads: consecutive i (DSSDA's last dim)
+    float w = 0.f;
+    if (j < i) {
+      const float seg = partial ? dcs[i] - dcs[j]
+                                : ld(a.segsum, b * a.segsum.s[0] + h * a.segsum.s[1] +
+                                                   c * a.segsum.s[2] + i * a.segsum.s[3] +
+                                                   j * a.segsum.s[4]);
+      w = expf(seg) * dss[j * a.C + i];
+    }
+    W[j][i] = w;
+  }
+  __syncthreads();
+  if (m >= L) return;
+  float acc = 0.f;
+  for (int t = m; t < L; ++t) acc += E[t];
+  for (int t = 0; t < m; ++t) acc += F[t];
+  for (int i = m; i < L; ++i)
+    for (int j = 0; j < m; ++j) acc += W[j][i];
+  acc += a.dda[row + s0 + m];
+  st(a.dadt, b * a.dadt.s[0] + h * a.dadt.s[1] + (s0 + m) * a.dadt.s[2], acc);
+}
+
+// ------------------------------------------------------------------ workspace and set-up
+
+unsigned blocks(int64_t n, int per = kThreads) {
+  return static_cast<unsigned>(std::max<int64_t>(1, (n + per - 1) / per));
+}
+
+// The float32 intermediates, the two passes' own workspace (one region: they run one after the
+// other on the stream) and the bias partials, carved from the caller's workspace.
+struct Layout {
+  MimoBwdFwdParams f;
+  MimoBwdBwdParams b;
+  float *gated = nullptr, *dqh = nullptr, *dkh = nullptr, *dmv = nullptr, *dmo = nullptr,
+        *dmz = nullptr, *dnw = nullptr, *dd = nullptr, *dfac = nullptr, *dgam = nullptr,
+        *dda = nullptr, *drev = nullptr, *dcs = nullptr, *dssda = nullptr, *part = nullptr;
+  void* sub = nullptr;
+  size_t sub_bytes = 0;
+  int64_t nseg = 0;
+  size_t bytes = 0;  // total, alignment slack included
+};
+
+// `base` is the caller's workspace (or a stand-in when only the size is wanted).
+Layout make_layout(const MimoCombinedParams& cp, unsigned char* base) {
+  Layout l;
+  MimoBwdFwdParams& f = l.f;
+  f = cp.fwd;
+  const int64_t B = f.B, S = f.S, H = f.H, N = f.N, P = f.P, R = f.R, C = f.C, nch = f.nchunks;
+  unsigned char* aligned = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(base) + kAlign - 1) / kAlign * kAlign);
+  size_t used = 0;
+  auto take = [&](int64_t floats) {
+    float* p = reinterpret_cast<float*>(aligned + used);
+    used += (static_cast<size_t>(floats) * sizeof(float) + kAlign - 1) / kAlign * kAlign;
+    return p;
+  };
+  auto view = [&](float* p, std::initializer_list<int64_t> shape, const char* name) {
+    TensorView v;
+    v.name = name;
+    v.data = p;
+    v.dtype = DType::F32;
+    v.device = DeviceKind::CUDA;
+    v.device_id = f.device_id;
+    v.ndim = static_cast<int>(shape.size());
+    int64_t n = 1;
+    for (int i = v.ndim - 1; i >= 0; --i) {
+      v.shape[i] = shape.begin()[i];
+      v.strides[i] = n;
+      n *= v.shape[i];
+    }
+    return v;
+  };
+
+  // first pass
+  f.output_dtype = DType::F32;
+  f.states = view(take(B * H * nch * N * P), {B, H, nch, N, P}, "states");
+  f.qk_dot = view(take(B * H * S * R * R), {B, H, S, R, R}, "qk_dot");
+  if (f.reduce_o) {
+    l.dmo = take(B * H * R * P);
+    f.dmimo_o = view(l.dmo, {B, H, R, P}, "dmimo_o");
+  }
+  if (f.has_z) {
+    l.dmz = take(B * H * R * P);
+    f.dmimo_z = view(l.dmz, {B, H, R, P}, "dmimo_z");
+    f.dz = cp.dz;
+  }
+  if (f.has_norm) {
+    l.dnw = take(B * H * R * P);
+    f.dnorm_weight = view(l.dnw, {B, H, R, P}, "dnorm_weight");
+    f.dout_pre_rms = view(take(B * H * S * R * P), {B, H, S * R, P}, "dout_pre_rms");
+  }
+
+  // second pass
+  MimoBwdBwdParams& b = l.b;
+  b.B = B, b.S = S, b.H = H, b.G = f.G, b.N = N, b.P = P, b.R = R, b.C = C, b.nchunks = nch;
+  b.rotary_dim_divisor = f.rotary_dim_divisor, b.A = f.A, b.has_d = f.has_d;
+  b.device = DeviceKind::CUDA, b.device_id = f.device_id;
+  b.q = f.q, b.k = f.k, b.v = f.v, b.q_bias = f.q_bias, b.k_bias = f.k_bias, b.mimo_v = f.mimo_v;
+  b.states = f.states, b.qk_dot = f.qk_dot, b.da_cs = f.da_cs, b.da_cs_rev = f.da_cs_rev;
+  b.dt = f.dt, b.trap = f.trap, b.segsum = f.segsum, b.angles = f.angles, b.d = f.d;
+  if (f.has_norm) {  // dL/dy^r is the first pass's pre-RMS dout
+    b.dout = f.dout_pre_rms;
+    b.dout_layout = MimoDout::Packed;
+  } else if (f.has_z) {  // the gate folded into a per-rank dout (cb_gate_kernel)
+    l.gated = take(B * S * R * H * P);
+    b.dout = view(l.gated, {B, S, R, H, P}, "dout");
+    b.dout_layout = MimoDout::PerRank;
+  } else {
+    b.dout = f.dout;
+    b.mimo_o = f.mimo_o;
+    b.dout_layout = f.reduce_o ? MimoDout::ReduceO : MimoDout::PerRank;
+  }
+  l.dqh = take(B * S * R * H * N);
+  l.dkh = take(B * S * R * H * N);
+  b.dq = view(l.dqh, {B, S * R, H, N}, "dq");
+  b.dk = view(l.dkh, {B, S * R, H, N}, "dk");
+  b.dv = cp.dv;
+  l.dmv = take(B * H * R * P);
+  b.dmimo_v = view(l.dmv, {B, H, R, P}, "dmimo_v");
+  b.dangles = cp.dangles;
+  l.dfac = take(B * H * S);
+  l.dgam = take(B * H * S);
+  l.dda = take(B * H * S);
+  l.drev = take(B * H * S);
+  l.dcs = take(B * H * S);
+  l.dssda = take(B * H * nch * C * C);
+  b.dfactor = view(l.dfac, {B, H, S}, "dfactor");
+  b.dgamma = view(l.dgam, {B, H, S}, "dgamma");
+  b.dda = view(l.dda, {B, H, S}, "dda");
+  b.dda_cs_rev = view(l.drev, {B, H, S}, "dda_cs_rev");
+  b.dda_cs = view(l.dcs, {B, H, S}, "dda_cs");
+  b.dssda = view(l.dssda, {B, H, nch, C, C}, "dssda");
+  if (f.has_d) {
+    l.dd = take(B * H);
+    b.dd = view(l.dd, {B, H}, "dd");
+  }
+
+  // reductions
+  l.nseg = (B * S + kSegRows - 1) / kSegRows;
+  l.part = take(2 * l.nseg * R * H * N);
+
+  // the passes' own workspace
+  l.sub_bytes = std::max(mimo_bwd_fwd_workspace_bytes(f), mimo_bwd_bwd_workspace_bytes(l.b));
+  l.sub = aligned + used;
+  used += l.sub_bytes;
+  l.bytes = used + kAlign;
+  return l;
+}
+
+}  // namespace
+
+size_t mimo_bwd_combined_workspace_bytes(const MimoCombinedParams& p) {
+  // Any aligned stand-in gives the same sizes: no pointer is dereferenced.
+  return make_layout(p, reinterpret_cast<unsigned char*>(kAlign)).bytes;
+}
+
+void mimo_bwd_combined(const MimoCombinedParams& cp, void* workspace, size_t workspace_bytes,
+                       void* stream) {
+  const size_t need = mimo_bwd_combined_workspace_bytes(cp);
+  MAMBA3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need, "workspace: ",
+                   workspace_bytes, " bytes at ", workspace, " given, mimo_bwd_combined needs ",
+                   need, " bytes of device memory (see mamba3_mimo_bwd_combined_workspace_size)");
+  for (const TensorView* t : {&cp.dq, &cp.dk, &cp.dv, &cp.dadt, &cp.ddt, &cp.dtrap, &cp.dq_bias,
+                              &cp.dk_bias, &cp.dmimo_v, &cp.dmimo_z, &cp.dmimo_o, &cp.dangles,
+                              &cp.dd, &cp.dz, &cp.dnorm_weight})
+    check_element_aligned(*t);
+  Layout l = make_layout(cp, static_cast<unsigned char*>(workspace));
+  const MimoBwdFwdParams& f = l.f;
+  DeviceGuard guard(f.device_id);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t B = f.B, S = f.S, H = f.H, G = f.G, N = f.N, P = f.P, R = f.R;
+
+  mimo_bwd_fwd(f, l.sub, l.sub_bytes, stream);
+
+  if (l.gated != nullptr) {
+    GateArgs g;
+    g.B = B, g.S = S, g.R = R, g.H = H, g.P = P, g.reduce_o = f.reduce_o;
+    g.dout = view_of(f.dout), g.z = view_of(f.z), g.mimo_z = view_of(f.mimo_z);
+    if (f.reduce_o) g.mimo_o = view_of(f.mimo_o);
+    g.gated = l.gated;
+    cb_gate_kernel<<<std::min(blocks(B * S * R * H * P), 1u << 20), kThreads, 0, st>>>(g);
+    check_launch("mimo_bwd_combined: gate kernel");
+  }
+
+  mimo_bwd_bwd(l.b, l.sub, l.sub_bytes, stream);
+
+  {
+    QkArgs q;
+    q.B = B, q.S = S, q.R = R, q.H = H, q.G = G, q.N = N, q.nseg = l.nseg;
+    q.src[0] = l.dqh, q.src[1] = l.dkh;
+    q.out[0] = view_of(cp.dq), q.out[1] = view_of(cp.dk);
+    q.part = l.part;
+    const unsigned gy = static_cast<unsigned>(std::min<int64_t>(l.nseg, 65535));  // y limit
+    cb_qk_kernel<<<dim3(blocks(R * G * N), gy, 2), kThreads, 0, st>>>(q);
+    check_launch("mimo_bwd_combined: q/k group-sum kernel");
+    BiasArgs bi;
+    bi.R = R, bi.H = H, bi.N = N, bi.nseg = l.nseg, bi.part = l.part;
+    bi.out[0] = view_of(cp.dq_bias), bi.out[1] = view_of(cp.dk_bias);
+    cb_bias_kernel<<<dim3(blocks(R * H * N), 2), kThreads, 0, st>>>(bi);
+    check_launch("mimo_bwd_combined: bias reduction kernel");
+  }
+  {
+    BatchArgs ba;
+    ba.B = B, ba.H = H, ba.R = R, ba.P = P;
+    ba.dmv = l.dmv, ba.dmo = l.dmo, ba.dmz = l.dmz, ba.dnw = l.dnw, ba.dd = l.dd;
+    ba.o_dmv = view_of(cp.dmimo_v);
+    if (l.dmo) ba.o_dmo = view_of(cp.dmimo_o);
+    if (l.dmz) ba.o_dmz = view_of(cp.dmimo_z);
+    if (l.dnw) ba.o_dnw = view_of(cp.dnorm_weight);
+    if (l.dd) ba.o_dd = view_of(cp.dd);
+    cb_batch_kernel<<<blocks(3 * H * R * P + H * P + H), kThreads, 0, st>>>(ba);
+    check_launch("mimo_bwd_combined: batch reduction kernel");
+  }
+  {
+    TimeArgs t;
+    t.B = B, t.H = H, t.S = S, t.C = f.C, t.nch = f.nchunks;
+    t.dt = view_of(f.dt), t.trap = view_of(f.trap), t.da_cs = view_of(f.da_cs);
+    t.da_cs_rev = view_of(f.da_cs_rev), t.segsum = view_of(f.segsum);
+    t.dfac = l.dfac, t.dgam = l.dgam, t.dda = l.dda, t.drev = l.drev, t.dcs = l.dcs;
+    t.dssda = l.dssda;
+    t.ddt = view_of(cp.ddt), t.dtrap = view_of(cp.dtrap), t.dadt = view_of(cp.dadt);
+    cb_time_kernel<<<static_cast<unsigned>(B * H * f.nchunks), kMaxC, 0, st>>>(t);
+    check_launch("mimo_bwd_combined: dt / trap / adt kernel");
+  }
+}
+
+}  // namespace mamba3::cuda
