@@ -760,7 +760,8 @@ def combined_reference(inp, dtype=F64, output_dtype=None):
             t = inp[name]
             if t is None:
                 continue
-            t = t.detach().to(dtype).clone().requires_grad_(True)
+            # (_adt lives on the CPU: the leaf moves to the operator's device)
+            t = t.detach().to(device=inp["q"].device, dtype=dtype).clone().requires_grad_(True)
             leaves[out] = t
             x[name] = t
         # Values: the (rounded) decay inputs the operator is given; gradients: through adt.
