@@ -14,15 +14,19 @@
 #                       into a temporary target) instead of PYTHONPATH=python + MAMBA3_LIBRARY
 #     --quick-bench     fewer benchmark repetitions
 #     --pytest-args "..."  extra pytest arguments (e.g. "-k dqktheta -x")
+#     --gtest-filter PAT  the carried binaries' GoogleTest filter (default '*Cuda*')
 #     --budget SECONDS  total wall-clock budget (default 570): each phase's timeout is cut so
 #                       that the summary is still printed before the budget runs out
-#   MIMO (mamba3_mimo_bwd_fwd; off by default: the SISO phases above are unchanged, except that
+#   MIMO (the MIMO backward; off by default: the SISO phases above are unchanged, except that
 #   the MIMO CUDA test file is left out of their pytest run):
 #     --mimo            after the SISO phases, run the MIMO phases: pytest-mimo
-#                       (tests/python/test_mimo_bwd_fwd_{cuda,cpu}.py) and bench-mimo
-#                       (bench/bench_mimo_bwd.py; needs --budget ~900 with everything else on)
+#                       (tests/python/test_mimo_*.py) and bench-mimo (bench/bench_mimo_bwd.py
+#                       --op all: bwd_fwd, bwd_bwd and combined, three tables; needs --budget
+#                       ~900 with everything else on)
 #     --mimo-only       the MIMO phases instead of the SISO pytest and benchmark phases
-#     --mimo-bench-args "..."  extra benchmark arguments (e.g. "--shapes 0,3 --quick")
+#     --mimo-bench-args "..."  extra benchmark arguments (e.g. "--shapes 0,3 --quick"; an --op
+#                       there replaces the default --op all; without --compile-timeout there,
+#                       upstream's compiles get about half of the phase's time limit)
 #     --tilelang-site DIR  prepended to PYTHONPATH of the MIMO benchmark only, where tilelang
 #                       was installed (pip install --no-index --no-deps --target DIR ...);
 #                       default $TILELANG_SITE. Without tilelang the benchmark says so and
@@ -46,6 +50,7 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$ROOT/build-tilelang-cache}
 BUILD_DIR=build
 DO_BUILD=1 DO_CTEST=1 DO_SELFCHECK=1 DO_PYTEST=1 DO_BENCH=1 USE_PIP=0 QUICK_BENCH=0
 PYTEST_ARGS=""
+GTEST_FILTER='*Cuda*'
 BUDGET=570
 DO_MIMO=0 MIMO_ONLY=0 MIMO_BENCH_ARGS="" TILELANG_SITE=${TILELANG_SITE:-}
 while [ $# -gt 0 ]; do
@@ -61,6 +66,7 @@ while [ $# -gt 0 ]; do
     --pip) USE_PIP=1 ;;
     --quick-bench) QUICK_BENCH=1 ;;
     --pytest-args) PYTEST_ARGS=$2; shift ;;
+    --gtest-filter) GTEST_FILTER=$2; shift ;;
     --budget) BUDGET=$2; shift ;;
     --mimo) DO_MIMO=1 ;;
     --mimo-only) DO_MIMO=1 MIMO_ONLY=1 ;;
@@ -153,7 +159,7 @@ if [ "$DO_CTEST" = 1 ]; then
     # Carried binaries (built elsewhere, no build tree): the GPU tests only; CI runs the rest.
     run_phase gtest-cuda "$OUT/gtest_cuda.log" 300 \
       env LD_LIBRARY_PATH="$BUILD_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        "$BUILD_DIR/mamba3_tests" --gtest_filter='*Cuda*' --gtest_output="xml:$OUT/gtest_cuda.xml"
+        "$BUILD_DIR/mamba3_tests" --gtest_filter="$GTEST_FILTER" --gtest_output="xml:$OUT/gtest_cuda.xml"
   else
     skip_phase ctest "mamba3_tests not built (GoogleTest missing?)"
   fi
@@ -241,6 +247,14 @@ if [ "$DO_BENCH_MIMO" = 1 ]; then
     [ "$QUICK_BENCH" = 1 ] && MB_ARGS+=(--quick)
     # shellcheck disable=SC2206
     [ -n "$MIMO_BENCH_ARGS" ] && MB_ARGS+=($MIMO_BENCH_ARGS)
+    case " $MIMO_BENCH_ARGS " in *" --op "*|*" --op="*) ;; *) MB_ARGS+=(--op all) ;; esac
+    # The phase's limit (three ops: upstream's compiles of up to 33 kernels, then the timing);
+    # the compiles are given up after ~55% of it so that the timing and the tables still fit.
+    MB_LIMIT=$(phase_limit 600)
+    case " $MIMO_BENCH_ARGS " in
+      *" --compile-timeout"*) ;;
+      *) MB_ARGS+=(--compile-timeout $(( MB_LIMIT * 55 / 100 ))) ;;
+    esac
     MB_PYTHONPATH=$PYTHONPATH
     if [ -n "$TILELANG_SITE" ]; then
       if [ -d "$TILELANG_SITE" ]; then
@@ -249,9 +263,21 @@ if [ "$DO_BENCH_MIMO" = 1 ]; then
         echo "gpu_check.sh: --tilelang-site $TILELANG_SITE does not exist" >&2
       fi
     fi
-    run_phase bench-mimo "$OUT/bench_mimo.log" 330 \
+    # Tables of an earlier run in $OUT are not shown as this run's.
+    rm -f "$OUT"/bench_mimo_bwd.md "$OUT"/bench_mimo_bwd_bwd.md "$OUT"/bench_mimo_combined.md
+    run_phase bench-mimo "$OUT/bench_mimo.log" "$MB_LIMIT" \
       env PYTHONPATH="$MB_PYTHONPATH" "$PY" "$ROOT/bench/bench_mimo_bwd.py" "${MB_ARGS[@]}"
-    [ -f "$OUT/bench_mimo_bwd.md" ] && MIMO_BENCH_TABLE=$(cat "$OUT/bench_mimo_bwd.md")
+    # One table per op (bwd_fwd, bwd_bwd, combined): the agreement tables first, then the
+    # performance tables (from the line "Device ..." on), so that those come last.
+    MB_AGREE="" MB_PERF=""
+    for f in bench_mimo_bwd bench_mimo_bwd_bwd bench_mimo_combined; do
+      [ -f "$OUT/$f.md" ] || continue
+      hdr=$(head -n 1 "$OUT/$f.md")
+      agree=$(awk '/^Device /{exit} NR > 1' "$OUT/$f.md" | sed '/./,$!d')
+      [ -n "$agree" ] && MB_AGREE+="${MB_AGREE:+$'\n\n'}$hdr (agreement)"$'\n\n'"$agree"
+      MB_PERF+="${MB_PERF:+$'\n\n'}$hdr"$'\n\n'"$(awk '/^Device /{p=1} p' "$OUT/$f.md")"
+    done
+    MIMO_BENCH_TABLE="$MB_AGREE${MB_AGREE:+$'\n\n'}$MB_PERF"
   else
     skip_phase bench-mimo "no library"
   fi
@@ -265,6 +291,12 @@ fi
   echo "| phase | result | time | log |"
   echo "|---|---|---|---|"
   printf '%s\n' "${SUMMARY[@]}"
+  for g in gtest_cuda ctest; do
+    if [ -f "$OUT/$g.log" ]; then
+      echo
+      echo "$g: $(grep -E '^\[  (PASSED|FAILED) |tests passed|tests failed' "$OUT/$g.log" | tr '\n' ' ')"
+    fi
+  done
   if [ -f "$OUT/pytest.log" ]; then
     echo
     echo "pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)"
@@ -282,4 +314,20 @@ fi
     echo "$MIMO_BENCH_TABLE"
   fi
 } | tee "$OUT/summary.md"
+
+# The device tool returns at most 8 files from $OUT: the tables stay as they are, every log,
+# XML and JSON goes into one archive.
+(
+  cd "$OUT" || exit 0
+  pack=()
+  for f in *; do
+    [ -f "$f" ] || continue
+    case "$f" in
+      summary.md|selfcheck.md|bench_siso_bwd.md|bench_mimo_bwd.md|bench_mimo_bwd_bwd.md|\
+      bench_mimo_combined.md|logs.tar.gz) ;;
+      *) pack+=("$f") ;;
+    esac
+  done
+  [ "${#pack[@]}" -gt 0 ] && tar czf logs.tar.gz "${pack[@]}" && rm -f "${pack[@]}"
+)
 exit "$FAILED"
