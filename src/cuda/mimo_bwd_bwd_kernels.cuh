@@ -33,8 +33,10 @@
 
 #if defined(__CUDACC__)
 #define BB_DEV __device__ __forceinline__
+#define BB_UNROLL _Pragma("unroll")
 #else
 #define BB_DEV inline
+#define BB_UNROLL
 #endif
 
 namespace mamba3::cuda::bb {
@@ -42,7 +44,7 @@ namespace mamba3::cuda::bb {
 constexpr int kThreads = 256;       // every kernel; block_sum assumes a power of two
 constexpr int kMaxC = 64;           // largest chunk size the params allow
 constexpr int kMaxR = 8;            // largest rank the params allow
-constexpr int kRowTile = 16;        // K1: rows staged in shared memory per step
+constexpr int kK1Smem = 48 * 1024;  // K1: shared memory for its row tiles (the default limit)
 constexpr int64_t kMaxSlots = 256;  // K3 CTAs (and scratch slots); bounds the workspace
 constexpr size_t kAlign = 256;      // workspace base alignment (bytes)
 
@@ -111,8 +113,10 @@ struct Args {
   float* ws_dd;    // [B*H][nch]: per-chunk DD partials
   float* ws_slot;  // [nslots][slot_floats]: K3 scratch
   int64_t slot_floats;
+  int k1_rows;  // K1: rows per shared-memory tile
+  int tc;       // the chunk products on tensor cores (3xTF32; see block_gemm_tc)
   // Offsets (floats) of the scratch arrays inside a slot; Tm = C R rows at most.
-  int64_t o_qh, o_kh, o_sg, o_sx, o_dqh, o_dkh, o_x, o_g, o_dp, o_kq, o_xg, o_st;
+  int64_t o_qh, o_kh, o_sg, o_sx, o_dqh, o_dkh, o_x, o_g, o_dp, o_kq, o_xg, o_st, o_m;
 };
 
 // K3's shared memory (per CTA).
@@ -121,7 +125,8 @@ struct ChunkShared {
   float E[kMaxC], F[kMaxC], ts[kMaxC], gam[kMaxC];
   float W[kMaxC * kMaxC];           // [i][j] (row stride C) exp(segsum), j < i; 0 elsewhere
   float qk[kMaxC * kMaxR * kMaxR];  // qk_dot of the chunk [i][r][r2]
-  float red[kThreads];              // block_sum
+  float red[kThreads];              // block_sum, step_sums
+  float s1[kMaxC], s2[kMaxC];       // step_sums results
 };
 
 // ------------------------------------------------------------------ element access
@@ -191,6 +196,25 @@ BB_DEV float block_sum(float v, float* red) {
   return total;
 }
 
+// out[i] = sum_{idx < cnt} f(i, idx) for every step i < L, split over kThreads / C threads per
+// step (why: one thread per step left most of the block idle), the partials summed in a fixed
+// order. Every thread must call it (barriers); `out` is ready for all threads on return.
+template <class F>
+BB_DEV void step_sums(int L, int C, int cnt, float* red, float* out, F f) {
+  const int nper = kThreads / C, tid = bb_tid(), i = tid / nper, k = tid % nper;
+  float acc = 0.f;
+  if (i < L)
+    for (int idx = k; idx < cnt; idx += nper) acc += f(i, idx);
+  red[tid] = acc;
+  bb_sync();
+  if (tid < L) {
+    float sum = 0.f;
+    for (int k2 = 0; k2 < nper; ++k2) sum += red[tid * nper + k2];
+    out[tid] = sum;
+  }
+  bb_sync();
+}
+
 // Error-free accumulation (sum + err is the compensated total), as the CPU backend's.
 BB_DEV void comp_add(float& sum, float& err, float x) {
   const float t = sum + x;
@@ -198,9 +222,164 @@ BB_DEV void comp_add(float& sum, float& err, float x) {
   sum = t;
 }
 
+// Block-wide product out(m, n) = sum_{k in krange(m0)} A[m am + k ak] B[k bk + n bn] for
+// m < M, n < Nn, handed to epi(m, n, value). Register-tiled (why: the plain per-element dot
+// products were bound by two loads per FMA and one serial chain per thread): each thread owns
+// kTile x kTile outputs, so a k step costs 2 kTile loads for kTile^2 independent FMAs.
+// krange(m0, rows, &kb, &ke) lets causal products skip the zero blocks of their coefficient
+// matrix (rows m0 .. m0 + rows - 1 must be zero outside [kb, ke)). A thread's outputs depend only on
+// (M, Nn): two products of the same M x Nn give every output to the same thread, so the second
+// may accumulate into the first's results without a barrier.
+constexpr int kTile = 4;
+
+template <class KRange, class Epi>
+BB_DEV void block_gemm(int M, int Nn, const float* A, int am, int ak, const float* B, int bk,
+                       int bn, KRange krange, Epi epi) {
+  const int tm = (M + kTile - 1) / kTile, tn = (Nn + kTile - 1) / kTile;
+  for (int tile = bb_tid(); tile < tm * tn; tile += kThreads) {
+    const int m0 = (tile / tn) * kTile, n0 = (tile % tn) * kTile;
+    float acc[kTile][kTile];
+    const float* ap[kTile];
+    const float* bp[kTile];
+    BB_UNROLL
+    for (int i = 0; i < kTile; ++i) {
+      BB_UNROLL
+      for (int j = 0; j < kTile; ++j) acc[i][j] = 0.f;
+      // Rows / columns past the end read the last valid one; their results are dropped.
+      ap[i] = A + static_cast<int64_t>(bb_min(m0 + i, M - 1)) * am;
+      bp[i] = B + static_cast<int64_t>(bb_min(n0 + i, Nn - 1)) * bn;
+    }
+    int kb = 0, ke = 0;
+    krange(m0, kTile, &kb, &ke);
+    for (int k = kb; k < ke; ++k) {
+      float av[kTile], bv[kTile];
+      BB_UNROLL
+      for (int i = 0; i < kTile; ++i) {
+        av[i] = ap[i][static_cast<int64_t>(k) * ak];
+        bv[i] = bp[i][static_cast<int64_t>(k) * bk];
+      }
+      BB_UNROLL
+      for (int i = 0; i < kTile; ++i)
+        BB_UNROLL
+        for (int j = 0; j < kTile; ++j) acc[i][j] += av[i] * bv[j];
+    }
+    BB_UNROLL
+    for (int i = 0; i < kTile; ++i)
+      BB_UNROLL
+      for (int j = 0; j < kTile; ++j)
+        if (m0 + i < M && n0 + j < Nn) epi(m0 + i, n0 + j, acc[i][j]);
+  }
+}
+
+// The whole contraction [0, K).
+struct KAll {
+  int K;
+  BB_DEV void operator()(int, int, int* kb, int* ke) const {
+    *kb = 0;
+    *ke = K;
+  }
+};
+
+// The same product on tensor cores (mma.sync m16n8k8, 3xTF32: every fp32 operand x split into
+// hi = tf32(x), lo = tf32(x - hi), a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, about 2^-21 relative
+// per product). Chosen by the plan (Args::tc) only for 16-bit activations, whose tolerances it
+// meets with a wide margin; fp32 activations keep the FFMA tiles (float32-reference accuracy).
+// Needs M % 16 == 0, Nn % 8 == 0 and a contraction length that is a multiple of 8 (the k range is
+// widened to multiples of 8: the coefficient matrices hold explicit zeros there). Each warp owns
+// 16 x 32 output tiles; the output-to-thread map depends only on (M, Nn), as block_gemm's.
+#if defined(__CUDA_ARCH__)
+BB_DEV uint32_t bb_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+BB_DEV void bb_split(float x, uint32_t& hi, uint32_t& lo) {
+  hi = bb_tf32(x);
+  lo = bb_tf32(x - __uint_as_float(hi));
+}
+// d += a b for one 16x8x8 tile (fragments as in the PTX ISA, g = lane / 4, q = lane % 4):
+// a = A[g][q], A[g+8][q], A[g][q+4], A[g+8][q+4]; b = B[q][g], B[q+4][g];
+// d = D[g][2q], D[g][2q+1], D[g+8][2q], D[g+8][2q+1].
+BB_DEV void bb_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <class KRange, class Epi>
+BB_DEV void block_gemm_tc(int M, int Nn, const float* A, int am, int ak, const float* B, int bk,
+                          int bn, KRange krange, Epi epi) {
+  constexpr int kSub = 4;  // 8-column subtiles per warp tile
+  const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
+  const int tm = M / 16, tn = (Nn + 8 * kSub - 1) / (8 * kSub);
+  for (int tile = bb_tid() >> 5; tile < tm * tn; tile += kThreads / 32) {
+    const int m0 = (tile / tn) * 16, n0 = (tile % tn) * (8 * kSub);
+    const int nsub = bb_min(kSub, (Nn - n0) / 8);
+    float acc[kSub][4];
+    BB_UNROLL
+    for (int j = 0; j < kSub; ++j)
+      BB_UNROLL
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+    int kb = 0, ke = 0;
+    krange(m0, 16, &kb, &ke);
+    kb &= ~7;
+    ke = (ke + 7) & ~7;
+    const float* a0 = A + static_cast<int64_t>(m0 + g) * am;
+    const float* a8 = a0 + static_cast<int64_t>(8) * am;
+    for (int k = kb; k < ke; k += 8) {
+      const int64_t kq = static_cast<int64_t>(k + q) * ak, kq4 = kq + 4 * static_cast<int64_t>(ak);
+      uint32_t ah[4], al[4];
+      bb_split(a0[kq], ah[0], al[0]);
+      bb_split(a8[kq], ah[1], al[1]);
+      bb_split(a0[kq4], ah[2], al[2]);
+      bb_split(a8[kq4], ah[3], al[3]);
+      const float* bq = B + static_cast<int64_t>(k + q) * bk;
+      const float* bq4 = bq + static_cast<int64_t>(4) * bk;
+      BB_UNROLL
+      for (int j = 0; j < kSub; ++j) {
+        if (j < nsub) {
+          const int64_t col = static_cast<int64_t>(n0 + 8 * j + g) * bn;
+          uint32_t bh[2], bl[2];
+          bb_split(bq[col], bh[0], bl[0]);
+          bb_split(bq4[col], bh[1], bl[1]);
+          bb_mma(acc[j], al, bh);
+          bb_mma(acc[j], ah, bl);
+          bb_mma(acc[j], ah, bh);
+        }
+      }
+    }
+    BB_UNROLL
+    for (int j = 0; j < kSub; ++j) {
+      if (j < nsub) {
+        const int n = n0 + 8 * j + 2 * q;
+        epi(m0 + g, n, acc[j][0]);
+        epi(m0 + g, n + 1, acc[j][1]);
+        epi(m0 + g + 8, n, acc[j][2]);
+        epi(m0 + g + 8, n + 1, acc[j][3]);
+      }
+    }
+  }
+}
+#endif
+
+// The chunk products: tensor cores when the plan says so (device only), else the FFMA tiles.
+template <class KRange, class Epi>
+BB_DEV void gemm(const Args& a, int M, int Nn, const float* A, int am, int ak, const float* B,
+                 int bk, int bn, KRange krange, Epi epi) {
+#if defined(__CUDA_ARCH__)
+  if (a.tc) {
+    block_gemm_tc(M, Nn, A, am, ak, B, bk, bn, krange, epi);
+    return;
+  }
+#endif
+  block_gemm(M, Nn, A, am, ak, B, bk, bn, krange, epi);
+}
+
 // ------------------------------------------------------------------ K1: U_c
 
-// smem: kRowTile * (N + P) floats.
+// smem: k1_rows * (N + P) floats (as many rows as fit kK1Smem: a whole chunk for most shapes,
+// so U is written once instead of read and rewritten per tile).
 BB_DEV void increment_body(const Args& a, float* smem) {
   const int64_t item = bb_bid();  // = bh * nch + c
   const int c = static_cast<int>(item % a.nch);
@@ -210,28 +389,30 @@ BB_DEV void increment_body(const Args& a, float* smem) {
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
   const int N = a.N, P = a.P, R = a.R;
   const int s0 = c * a.C, L = bb_min(a.C, a.S - s0), T = L * R;
-  float* sq = smem;                 // [kRowTile][N]: E_i qh_i^r
-  float* sg = smem + kRowTile * N;  // [kRowTile][P]: dPhiO_i^r
+  const int rows = a.k1_rows;
+  const int Tg = a.tc ? (T + 15) / 16 * 16 : T;  // rows T .. Tg - 1 are zero (whole mma steps)
+  float* sq = smem;             // [rows][N]: E_i qh_i^r
+  float* sg = smem + rows * N;  // [rows][P]: dPhiO_i^r
   float* U = a.ws_ds + item * static_cast<int64_t>(N) * P;
-  for (int a0 = 0; a0 < T; a0 += kRowTile) {
-    const int nr = bb_min(kRowTile, T - a0);
+  for (int a0 = 0; a0 < Tg; a0 += rows) {
+    const int nr = bb_min(rows, Tg - a0);
     for (int e = tid; e < nr * N; e += kThreads) {
       const int row = a0 + e / N, n = e % N, i = row / R, r = row % R, t = s0 + i;
-      const float E = expf(ld(a.da_cs, o3(a.da_cs, b, h, t)));
-      sq[e] = E * rotated(a, a.q, a.q_bias, b, t, r, h, n);
+      sq[e] = row < T ? expf(ld(a.da_cs, o3(a.da_cs, b, h, t))) *
+                            rotated(a, a.q, a.q_bias, b, t, r, h, n)
+                      : 0.f;
     }
     for (int e = tid; e < nr * P; e += kThreads) {
       const int row = a0 + e / P, p = e % P, i = row / R, r = row % R;
-      sg[e] = dphio(a, b, s0 + i, r, h, p);
+      sg[e] = row < T ? dphio(a, b, s0 + i, r, h, p) : 0.f;
     }
     bb_sync();
-    // Each thread owns its elements of U across all row tiles (no races).
-    for (int e = tid; e < N * P; e += kThreads) {
-      const int n = e / P, p = e % P;
-      float acc = a0 == 0 ? 0.f : U[e];
-      for (int rr = 0; rr < nr; ++rr) acc += sq[rr * N + n] * sg[rr * P + p];
-      U[e] = acc;
-    }
+    // U[n][p] += sum_rows sq[row][n] sg[row][p]; the same N x P product every tile, so each
+    // thread keeps its own elements of U across the row tiles (no races).
+    const bool first = a0 == 0;
+    gemm(a, N, P, sq, 1, N, sg, P, 1, KAll{nr}, [&](int n, int p, float v) {
+      U[n * P + p] = first ? v : U[n * P + p] + v;
+    });
     bb_sync();  // the tiles are restaged next
   }
 }
@@ -244,18 +425,31 @@ BB_DEV void scan_body(const Args& a) {
   if (idx >= static_cast<int64_t>(a.B) * a.H * NP) return;
   const int64_t bh = idx / NP, e = idx % NP;
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
+  float* col = a.ws_ds + bh * a.nch * NP + e;  // cell of chunk c: col[c * NP]
+  // Chunks in groups of kScanU, each group's loads issued before its serial updates (why: one
+  // dependent load per chunk made this kernel latency-bound, ~170 GB/s).
+  constexpr int kScanU = 8;
   float acc = 0.f;  // dS leaving the current chunk
-  for (int c = a.nch - 1; c >= 0; --c) {
-    float* cell = a.ws_ds + (bh * a.nch + c) * NP + e;
-    if (c == 0) {
-      *cell = acc;
-      break;
+  for (int c1 = a.nch - 1; c1 >= 1; c1 -= kScanU) {
+    float u[kScanU], dec[kScanU];
+    BB_UNROLL
+    for (int j = 0; j < kScanU; ++j) {
+      const int c = c1 - j;
+      if (c >= 1) {
+        u[j] = col[c * NP];
+        dec[j] = expf(ld(a.da_cs, o3(a.da_cs, b, h, bb_min(c * a.C + a.C, a.S) - 1)));
+      }
     }
-    const float u = *cell;
-    *cell = acc;
-    const int last = bb_min(c * a.C + a.C, a.S) - 1;
-    acc = expf(ld(a.da_cs, o3(a.da_cs, b, h, last))) * acc + u;
+    BB_UNROLL
+    for (int j = 0; j < kScanU; ++j) {
+      const int c = c1 - j;
+      if (c >= 1) {
+        col[c * NP] = acc;
+        acc = dec[j] * acc + u[j];
+      }
+    }
   }
+  col[0] = acc;  // U_0 is never formed: nothing reads the state entering chunk 0
 }
 
 // ------------------------------------------------------------------ K3: the chunk pass
@@ -274,9 +468,10 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
   float* xs = slot + a.o_x;     // [T][P] x = v * mimo_v
   float* gs = slot + a.o_g;     // [T][P] dPhiO
   float* dp = slot + a.o_dp;    // [T][P] dL/dx
-  float* KQ = slot + a.o_kq;    // [T][T] kh_a . qh_b
-  float* XG = slot + a.o_xg;    // [T][T] x_a . dPhiO_b
+  float* KQ = slot + a.o_kq;    // [Tg][Tg] kh_a . qh_b
+  float* XG = slot + a.o_xg;    // [Tg][Tg] x_a . dPhiO_b
   float* St = slot + a.o_st;    // [N][P] states[c]
+  float* Mc = slot + a.o_m;     // [Tg][Tg] a coefficient matrix of phase 2
 
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
   for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
@@ -284,6 +479,9 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
     const int64_t bh = item / a.nch;
     const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
     const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), T = L * R;
+    // The products run over Tg rows (whole 16-row mma tiles; rows T .. Tg - 1 of every row
+    // operand and coefficient matrix are zero); KQ, XG and Mc have leading dimension Tg.
+    const int Tg = a.tc ? (T + 15) / 16 * 16 : T;
     const bool partial = L < C;
     const float* dS = a.ws_ds + item * static_cast<int64_t>(NP);
     const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
@@ -299,15 +497,17 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       const int i = e / (R * R), r = (e / R) % R, r2 = e % R;
       sh.qk[e] = ld(a.qk_dot, o5(a.qk_dot, b, h, s0 + i, r, r2));
     }
-    for (int e = tid; e < T * N; e += kThreads) {
+    for (int e = tid; e < Tg * N; e += kThreads) {
       const int row = e / N, n = e % N, i = row / R, r = row % R;
-      qh[e] = rotated(a, a.q, a.q_bias, b, s0 + i, r, h, n);
-      kh[e] = rotated(a, a.k, a.k_bias, b, s0 + i, r, h, n);
+      const bool in = row < T;
+      qh[e] = in ? rotated(a, a.q, a.q_bias, b, s0 + i, r, h, n) : 0.f;
+      kh[e] = in ? rotated(a, a.k, a.k_bias, b, s0 + i, r, h, n) : 0.f;
     }
-    for (int e = tid; e < T * P; e += kThreads) {
+    for (int e = tid; e < Tg * P; e += kThreads) {
       const int row = e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
-      xs[e] = ld(a.v, o4(a.v, b, t, h, p)) * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
-      gs[e] = dphio(a, b, t, r, h, p);
+      const bool in = row < T;
+      xs[e] = in ? ld(a.v, o4(a.v, b, t, h, p)) * ld(a.mimo_v, o3(a.mimo_v, h, r, p)) : 0.f;
+      gs[e] = in ? dphio(a, b, t, r, h, p) : 0.f;
     }
     for (int e = tid; e < NP; e += kThreads)
       St[e] = ld(a.states, o5(a.states, b, h, c, e / P, e % P));
@@ -330,74 +530,74 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
     }
 
     // ---- phase 1: pairwise products, state products, DDA
-    for (int e = tid; e < T * T; e += kThreads) {
-      const int ra = e / T, rb = e % T;
-      const float* k1 = kh + ra * N;
-      const float* q1 = qh + rb * N;
-      float s = 0.f;
-      for (int n = 0; n < N; ++n) s += k1[n] * q1[n];
-      KQ[e] = s;
-      const float* x1 = xs + ra * P;
-      const float* g1 = gs + rb * P;
-      s = 0.f;
-      for (int p = 0; p < P; ++p) s += x1[p] * g1[p];
-      XG[e] = s;
-    }
-    for (int e = tid; e < T * N; e += kThreads) {
-      const int row = e / N, n = e % N;
-      const float* srow = St + n * P;
-      const float* drow = dS + static_cast<int64_t>(n) * P;
-      const float* g1 = gs + row * P;
-      const float* x1 = xs + row * P;
-      float sg = 0.f, sx = 0.f;
-      for (int p = 0; p < P; ++p) {
-        sg += srow[p] * g1[p];
-        sx += drow[p] * x1[p];
-      }
-      SG[e] = sg;
-      SX[e] = sx;
-    }
+    // KQ[a][b] = kh_a . qh_b, XG[a][b] = x_a . dPhiO_b, SG[row][n] = sum_p St[n][p] dPhiO[row][p],
+    // SX[row][n] = sum_p dS[n][p] x[row][p].
+    gemm(a, Tg, Tg, kh, N, 1, qh, 1, N, KAll{N},
+         [&](int m, int n, float v) { KQ[m * Tg + n] = v; });
+    gemm(a, Tg, Tg, xs, P, 1, gs, 1, P, KAll{P},
+         [&](int m, int n, float v) { XG[m * Tg + n] = v; });
+    gemm(a, Tg, N, gs, P, 1, St, 1, P, KAll{P},
+               [&](int m, int n, float v) { SG[m * N + n] = v; });
+    gemm(a, Tg, N, xs, P, 1, dS, 1, P, KAll{P},
+               [&](int m, int n, float v) { SX[m * N + n] = v; });
     float dda_part = 0.f;
     for (int e = tid; e < NP; e += kThreads) dda_part += St[e] * dS[e];
     const float dda = expf(da_last) * block_sum(dda_part, sh.red);  // its barriers end phase 1
 
-    // ---- phase 2: dqh, dkh / ts, dx, DSSDA and the per-step scalars
-    for (int e = tid; e < T * N; e += kThreads) {
-      // Query row (i, r): inter-chunk readout and the earlier keys j < i.
-      const int row = e / N, n = e % N, i = row / R;
-      float acc = sh.E[i] * SG[e];
-      for (int ra = 0; ra < i * R; ++ra) {
-        const int j = ra / R;
-        acc += (sh.W[i * C + j] * sh.ts[j] * XG[ra * T + row]) * kh[ra * N + n];
-      }
-      dqh[e] = acc;
+    // ---- phase 2: dqh, dkh / ts, dx as products with masked coefficient matrices (in Mc)
+    // Query row (i, r): the inter-chunk readout and the earlier keys (j, r') with j < i:
+    //   dqh = E_i SG + M1 kh,  M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)].
+    for (int e = tid; e < Tg * Tg; e += kThreads) {
+      const int row = e / Tg, ra = e % Tg, i = row / R, j = ra / R;
+      Mc[e] = j < i && row < T ? sh.W[i * C + j] * sh.ts[j] * XG[ra * Tg + row] : 0.f;
     }
-    for (int e = tid; e < T * N; e += kThreads) {
-      // Key row (i, r2): the state increment and the later queries j > i (ts_i applied later).
-      const int row = e / N, n = e % N, i = row / R;
-      float acc = sh.F[i] * SX[e];
-      for (int rb = (i + 1) * R; rb < T; ++rb) {
-        const int j = rb / R;
-        acc += (sh.W[j * C + i] * XG[row * T + rb]) * qh[rb * N + n];
-      }
-      dkh[e] = acc;
+    bb_sync();
+    gemm(a, Tg, N, Mc, Tg, 1, kh, N, 1,
+               [&](int m0, int rows, int* kb, int* ke) {
+                 *kb = 0;
+                 *ke = (bb_min(m0 + rows, Tg) - 1) / R * R;  // keys of steps before the last row's
+               },
+               [&](int m, int n, float v) { dqh[m * N + n] = sh.E[m / R] * SG[m * N + n] + v; });
+    bb_sync();
+    // Key row (i, r2): the state increment and the later queries (j, r) with j > i (ts_i is
+    // applied in phase 3):  dkh = F_i SX + M2 qh,  M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)].
+    for (int e = tid; e < Tg * Tg; e += kThreads) {
+      const int row = e / Tg, rb = e % Tg, i = row / R, j = rb / R;
+      Mc[e] = j > i && rb < T ? sh.W[j * C + i] * XG[row * Tg + rb] : 0.f;
     }
-    for (int e = tid; e < T * P; e += kThreads) {
-      // Value row (i, r2): state increment, later queries, D skip, diagonal term.
-      const int row = e / P, p = e % P, i = row / R, r2 = row % R;
-      const float* k1 = kh + row * N;
-      float kds = 0.f;
-      for (int n = 0; n < N; ++n) kds += k1[n] * dS[static_cast<int64_t>(n) * P + p];
-      float acc = sh.F[i] * sh.ts[i] * kds;
-      for (int rb = (i + 1) * R; rb < T; ++rb) {
-        const int j = rb / R;
-        acc += (sh.W[j * C + i] * sh.ts[i] * KQ[row * T + rb]) * gs[rb * P + p];
-      }
-      acc += Dh * gs[e];
-      for (int r = 0; r < R; ++r)
-        acc += (sh.gam[i] * sh.qk[(i * R + r) * R + r2]) * gs[(i * R + r) * P + p];
-      dp[e] = acc;
+    bb_sync();
+    gemm(a, Tg, N, Mc, Tg, 1, qh, N, 1,
+               [&](int m0, int, int* kb, int* ke) {
+                 *kb = bb_min((m0 / R + 1) * R, Tg);  // queries of steps after the first row's
+                 *ke = Tg;
+               },
+               [&](int m, int n, float v) { dkh[m * N + n] = sh.F[m / R] * SX[m * N + n] + v; });
+    bb_sync();
+    // Value row (i, r2): the state increment F_i ts_i (kh dS), the later queries, the D skip and
+    // the diagonal gamma_i qk_dot[i, r, r2]:  dx = F_i ts_i kh dS + M3 dPhiO with
+    //   M3[(i,r2)][(j,r)] = W[j][i] ts_i KQ[(i,r2)][(j,r)] (j > i),
+    //                       gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
+    for (int e = tid; e < Tg * Tg; e += kThreads) {
+      const int row = e / Tg, rb = e % Tg, i = row / R, j = rb / R, r2 = row % R, r = rb % R;
+      float m = 0.f;
+      if (row >= T || rb >= T)
+        m = 0.f;  // padding rows (their per-step scalars are not loaded)
+      else if (j > i)
+        m = sh.W[j * C + i] * sh.ts[i] * KQ[row * Tg + rb];
+      else if (j == i)
+        m = sh.gam[i] * sh.qk[(i * R + r) * R + r2] + (r == r2 ? Dh : 0.f);
+      Mc[e] = m;
     }
+    gemm(a, Tg, P, kh, N, 1, dS, P, 1, KAll{N},
+               [&](int m, int n, float v) { dp[m * P + n] = sh.F[m / R] * sh.ts[m / R] * v; });
+    bb_sync();
+    // Same T x P shape: every output is owned by the thread that wrote it above.
+    gemm(a, Tg, P, Mc, Tg, 1, gs, P, 1,
+               [&](int m0, int, int* kb, int* ke) {
+                 *kb = bb_min(m0 / R * R, Tg);  // from the first row's own step on
+                 *ke = Tg;
+               },
+               [&](int m, int n, float v) { dp[m * P + n] += v; });
     for (int e = tid; e < C * C; e += kThreads) {
       // DSSDA[s, t]: every pair of valid steps, unmasked; rows / columns past the sequence 0.
       const int s = e / C, tq = e % C;
@@ -405,24 +605,25 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       if (s < L && tq < L) {
         for (int r2 = 0; r2 < R; ++r2)
           for (int r = 0; r < R; ++r) {
-            const int idx = (s * R + r2) * T + tq * R + r;
+            const int idx = (s * R + r2) * Tg + tq * R + r;
             acc += KQ[idx] * XG[idx];
           }
         acc *= sh.ts[s];
       }
       st(a.dssda, o5(a.dssda, b, h, c, s, tq), acc);
     }
+    // Step i's rows are the R N contiguous elements from i R N on.
+    step_sums(L, C, R * N, sh.red, sh.s1,
+              [&](int i, int idx) { return qh[i * R * N + idx] * SG[i * R * N + idx]; });
+    step_sums(L, C, R * N, sh.red, sh.s2,
+              [&](int i, int idx) { return kh[i * R * N + idx] * SX[i * R * N + idx]; });
     for (int i = tid; i < L; i += kThreads) {
       const int t = s0 + i;
-      float dcs = 0.f, drev = 0.f, dgam = 0.f;
-      for (int r = 0; r < R; ++r) {
-        const int base = (i * R + r) * N;
-        for (int n = 0; n < N; ++n) dcs += qh[base + n] * SG[base + n];
-        for (int n = 0; n < N; ++n) drev += kh[base + n] * SX[base + n];
-      }
+      const float dcs = sh.s1[i], drev = sh.s2[i];
+      float dgam = 0.f;
       for (int r = 0; r < R; ++r)
         for (int r2 = 0; r2 < R; ++r2)
-          dgam += sh.qk[(i * R + r) * R + r2] * XG[(i * R + r2) * T + i * R + r];
+          dgam += sh.qk[(i * R + r) * R + r2] * XG[(i * R + r2) * Tg + i * R + r];
       st(a.dda, o3(a.dda, b, h, t), dda);
       st(a.dda_cs, o3(a.dda_cs, b, h, t), dcs);
       st(a.dda_cs_rev, o3(a.dda_cs_rev, b, h, t), sh.ts[i] * drev);
@@ -431,14 +632,9 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
     bb_sync();
 
     // ---- phase 3: rotation undone, diagonal q/k terms, angles, v / mimo_v / D
-    for (int i = tid; i < L; i += kThreads) {
-      float df = 0.f;
-      for (int r2 = 0; r2 < R; ++r2) {
-        const int base = (i * R + r2) * N;
-        for (int n = 0; n < N; ++n) df += kh[base + n] * dkh[base + n];
-      }
-      st(a.dfactor, o3(a.dfactor, b, h, s0 + i), df);
-    }
+    step_sums(L, C, R * N, sh.red, sh.s1,
+              [&](int i, int idx) { return kh[i * R * N + idx] * dkh[i * R * N + idx]; });
+    for (int i = tid; i < L; i += kThreads) st(a.dfactor, o3(a.dfactor, b, h, s0 + i), sh.s1[i]);
     for (int e = tid; e < L * A; e += kThreads) {
       // d/dtheta of (u cos - w sin, u sin + w cos) is (-y2, y1) of the rotated pair.
       const int i = e / A, j = e % A;
@@ -476,9 +672,9 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       }
       // Diagonal gamma_i sum qk_dot[i, r, r2] x^r2 with qk_dot = qb . kb (unrotated).
       for (int r2 = 0; r2 < R; ++r2)
-        oq += (gam * XG[(i * R + r2) * T + row]) * biased(a, a.k, a.k_bias, b, t, r2, h, n);
+        oq += (gam * XG[(i * R + r2) * Tg + row]) * biased(a, a.k, a.k_bias, b, t, r2, h, n);
       for (int r1 = 0; r1 < R; ++r1)
-        ok += (gam * XG[row * T + i * R + r1]) * biased(a, a.q, a.q_bias, b, t, r1, h, n);
+        ok += (gam * XG[row * Tg + i * R + r1]) * biased(a, a.q, a.q_bias, b, t, r1, h, n);
       const int64_t orow = static_cast<int64_t>(t) * R + r;
       st(a.dq, o4(a.dq, b, orow, h, n), oq);
       st(a.dk, o4(a.dk, b, orow, h, n), ok);
@@ -532,10 +728,12 @@ BB_DEV void reduce_body(const Args& a) {
 struct Plan {
   int64_t n_ds = 0, n_part = 0, n_dd = 0, nslots = 0, slot_floats = 0;
   int64_t o_qh = 0, o_kh = 0, o_sg = 0, o_sx = 0, o_dqh = 0, o_dkh = 0, o_x = 0, o_g = 0,
-          o_dp = 0, o_kq = 0, o_xg = 0, o_st = 0;
+          o_dp = 0, o_kq = 0, o_xg = 0, o_st = 0, o_m = 0;
   size_t bytes = 0;
   int64_t grid1 = 0, grid2 = 0, grid3 = 0, grid4 = 0;  // K1 is skipped when grid1 == 0
   size_t smem1 = 0;                                    // K1 dynamic shared memory (bytes)
+  int k1_rows = 1;                                     // K1: rows per shared-memory tile
+  bool tc = false;                                     // products on tensor cores
 };
 
 inline int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
@@ -572,6 +770,7 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots) 
   pl.o_kq = take(Tm * Tm);
   pl.o_xg = take(Tm * Tm);
   pl.o_st = take(NP);
+  pl.o_m = take(Tm * Tm);
   pl.slot_floats = o;
   pl.nslots = std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
   // + kAlign: the caller's pointer is rounded up to kAlign bytes.
@@ -582,8 +781,16 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots) 
   pl.grid2 = (BH * NP + kThreads - 1) / kThreads;
   pl.grid3 = pl.nslots;
   pl.grid4 = (BH * p.R * p.P + BH + kThreads - 1) / kThreads;
-  // At most 16 * (256 + 256) floats = 32 KB: under the default 48 KB (no attribute call).
-  pl.smem1 = static_cast<size_t>(kRowTile) * (p.N + p.P) * sizeof(float);
+  // At most kK1Smem = 48 KB: the default limit (no attribute call).
+  pl.k1_rows = static_cast<int>(std::min<int64_t>(
+      Tm, std::max<int64_t>(1, kK1Smem / (static_cast<int64_t>(sizeof(float)) * (p.N + p.P)))));
+  if (pl.k1_rows >= 8) pl.k1_rows &= ~7;  // whole mma k-steps per tile
+  // Tensor cores (3xTF32) for 16-bit activations, whose tolerance leaves room for its ~2^-21
+  // relative product error, when every product's dims fit the m16n8k8 tiles.
+  auto half16 = [](const TensorView& t) { return t.dtype == DType::F16 || t.dtype == DType::BF16; };
+  pl.tc = half16(p.q) && half16(p.k) && half16(p.v) && half16(p.dout) && Tm % 16 == 0 &&
+          p.N % 16 == 0 && p.P % 16 == 0;
+  pl.smem1 = static_cast<size_t>(pl.k1_rows) * (p.N + p.P) * sizeof(float);
   return pl;
 }
 
@@ -621,9 +828,11 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.ws_dd = a.ws_part + pl.n_part;
   a.ws_slot = a.ws_dd + pl.n_dd;
   a.slot_floats = pl.slot_floats;
+  a.k1_rows = pl.k1_rows;
+  a.tc = pl.tc ? 1 : 0;
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_dqh = pl.o_dqh, a.o_dkh = pl.o_dkh, a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
-  a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st;
+  a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st, a.o_m = pl.o_m;
   return a;
 }
 

@@ -337,7 +337,12 @@ TEST(MimoBwdBwdEmulated, KernelBodiesMatchTheCpuBackend) {
                          Shape{1, 20, 2, 1, 16, 8, 2, 16, 2, kPerRank, false, 3, H16, F},
                          Shape{2, 13, 2, 2, 8, 12, 4, 8, 4, kPacked, true, 0, BF, F},
                          Shape{1, 5, 1, 1, 6, 5, 3, 8, 2, kReduceO, true, 2, F, H16},
-                         Shape{1, 16, 2, 1, 2, 3, 1, 8, 2, kPerRank, true, 0, F, BF}})
+                         Shape{1, 16, 2, 1, 2, 3, 1, 8, 2, kPerRank, true, 0, F, BF},
+                         // 16-bit activations with N, P, C R multiples of 16: the plan's tensor-
+                         // core layout (rows padded to 16 with zeros: a partial last chunk of
+                         // 5 x 2 rows), here through the FFMA tiles on the host
+                         Shape{1, 37, 2, 1, 16, 32, 2, 8, 4, kReduceO, true, 0, BF, F},
+                         Shape{2, 21, 2, 2, 32, 16, 4, 8, 2, kPacked, false, 1, H16, BF}})
     check_case(s, seed++);
 }
 
