@@ -1,8 +1,11 @@
-// Kernels of mamba3_mimo_bwd_bwd (CUDA backend, seed 001): a correctness-first port of the CPU
-// backend (src/cpu/mimo_bwd_bwd.cpp; formulas in golden/include/mamba3_golden/mimo_bwd_bwd.hpp).
-// Speed comes later: plain fp32 FFMA loops over fp32 scratch, no tensor cores. Included by
-// mimo_bwd_bwd.cu; the bodies use only the primitives at the top (thread / block index, barrier,
-// typed loads and stores), so the tests also run them on the host (test_mimo_bwd_bwd_emulated.cpp).
+// Kernels of mamba3_mimo_bwd_bwd (CUDA backend, seed 001), the CPU backend's algorithm
+// (src/cpu/mimo_bwd_bwd.cpp; formulas in golden/include/mamba3_golden/mimo_bwd_bwd.hpp) over fp32
+// scratch in the workspace. The chunk products are block GEMMs (block_gemm: register-tiled FFMA;
+// block_gemm_tc: 3xTF32 mma.sync for 16-bit activations) over masked coefficient matrices. Not
+// yet fast (see docs/PERF.md): the operands live in global scratch, not shared memory. Included
+// by mimo_bwd_bwd.cu; the bodies use only the primitives at the top (thread / block index,
+// barrier, typed loads and stores), so the tests also run them on the host
+// (test_mimo_bwd_bwd_emulated.cpp; the tensor-core products run there as FFMA tiles).
 //
 // The only serial dependency is dS_c = dL/dSt of the state leaving chunk c, carried backwards
 // over the chunks of one (b, h):
@@ -45,7 +48,9 @@ constexpr int kThreads = 256;       // every kernel; block_sum assumes a power o
 constexpr int kMaxC = 64;           // largest chunk size the params allow
 constexpr int kMaxR = 8;            // largest rank the params allow
 constexpr int kK1Smem = 48 * 1024;  // K1: shared memory for its row tiles (the default limit)
-constexpr int64_t kMaxSlots = 256;  // K3 CTAs (and scratch slots); bounds the workspace
+// K3 CTAs (and scratch slots; bounds the workspace): 3 per SM of a 132-SM H100 / H200 (K3 is
+// compiled for 3 resident CTAs per SM).
+constexpr int64_t kMaxSlots = 396;
 constexpr size_t kAlign = 256;      // workspace base alignment (bytes)
 
 // ------------------------------------------------------------------ primitives
@@ -116,7 +121,8 @@ struct Args {
   int k1_rows;  // K1: rows per shared-memory tile
   int tc;       // the chunk products on tensor cores (3xTF32; see block_gemm_tc)
   // Offsets (floats) of the scratch arrays inside a slot; Tm = C R rows at most.
-  int64_t o_qh, o_kh, o_sg, o_sx, o_dqh, o_dkh, o_x, o_g, o_dp, o_kq, o_xg, o_st, o_m;
+  int64_t o_qh, o_kh, o_sg, o_sx, o_x, o_g, o_dp, o_kq, o_xg, o_st, o_m, o_qb, o_kb,
+      o_cs, o_sn;
 };
 
 // K3's shared memory (per CTA).
@@ -463,8 +469,8 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
   float* kh = slot + a.o_kh;    // [T][N] rotated biased k
   float* SG = slot + a.o_sg;    // [T][N] St dPhiO
   float* SX = slot + a.o_sx;    // [T][N] dS x
-  float* dqh = slot + a.o_dqh;  // [T][N] dL/dqh
-  float* dkh = slot + a.o_dkh;  // [T][N] dL/dkh / ts
+  float* dqh = SG;              // [T][N] dL/dqh (phase 2 on: in place of SG)
+  float* dkh = SX;              // [T][N] dL/dkh / ts (in place of SX)
   float* xs = slot + a.o_x;     // [T][P] x = v * mimo_v
   float* gs = slot + a.o_g;     // [T][P] dPhiO
   float* dp = slot + a.o_dp;    // [T][P] dL/dx
@@ -472,6 +478,10 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
   float* XG = slot + a.o_xg;    // [Tg][Tg] x_a . dPhiO_b
   float* St = slot + a.o_st;    // [N][P] states[c]
   float* Mc = slot + a.o_m;     // [Tg][Tg] a coefficient matrix of phase 2
+  float* qb = slot + a.o_qb;    // [T][N] biased q (unrotated)
+  float* kb = slot + a.o_kb;    // [T][N] biased k (unrotated)
+  float* tcs = slot + a.o_cs;   // [L][A] cos of the step's angles
+  float* tsn = slot + a.o_sn;   // [L][A] sin
 
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
   for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
@@ -497,11 +507,44 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       const int i = e / (R * R), r = (e / R) % R, r2 = e % R;
       sh.qk[e] = ld(a.qk_dot, o5(a.qk_dot, b, h, s0 + i, r, r2));
     }
+    // Biased q / k rows (unrotated; phase 3's diagonal terms reuse them) and the step's
+    // rotation table, each element loaded once (why: per-element rotated() reloaded both halves
+    // and recomputed sincos, and the loads' index math dominated this kernel's instructions).
+    {
+      const int g = h / a.HG;
+      const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{g} * a.q.s[3];
+      const int64_t k0 = int64_t{b} * a.k.s[0] + int64_t{g} * a.k.s[3];
+      for (int e = tid; e < Tg * N; e += kThreads) {
+        const int row = e / N, n = e % N, i = row / R, r = row % R, t = s0 + i;
+        float vq = 0.f, vk = 0.f;
+        if (row < T) {
+          const float bq = ld(a.q_bias, o3(a.q_bias, h, r, n));
+          const float bk = ld(a.k_bias, o3(a.k_bias, h, r, n));
+          vq = ld(a.q, q0 + t * a.q.s[1] + r * a.q.s[2] + n * a.q.s[4]) + bq;
+          vk = ld(a.k, k0 + t * a.k.s[1] + r * a.k.s[2] + n * a.k.s[4]) + bk;
+        }
+        qb[e] = vq;
+        kb[e] = vk;
+      }
+      for (int e = tid; e < L * A; e += kThreads) {
+        const int i = e / A, j = e % A;
+        bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, j)), &tsn[e], &tcs[e]);
+      }
+    }
+    bb_sync();
+    // Rotated rows: pairs (j, half + j), j < A, turned by the step's angle j.
     for (int e = tid; e < Tg * N; e += kThreads) {
-      const int row = e / N, n = e % N, i = row / R, r = row % R;
-      const bool in = row < T;
-      qh[e] = in ? rotated(a, a.q, a.q_bias, b, s0 + i, r, h, n) : 0.f;
-      kh[e] = in ? rotated(a, a.k, a.k_bias, b, s0 + i, r, h, n) : 0.f;
+      const int row = e / N, n = e % N, i = row / R;
+      float vq = qb[e], vk = kb[e];
+      if (row < T && (n < A || (n >= half && n < half + A))) {
+        const int j = n < A ? n : n - half;
+        const float cs = tcs[i * A + j], sn = tsn[i * A + j];
+        const float pq = qb[n < A ? e + half : e - half], pk = kb[n < A ? e + half : e - half];
+        vq = n < A ? vq * cs - pq * sn : pq * sn + vq * cs;
+        vk = n < A ? vk * cs - pk * sn : pk * sn + vk * cs;
+      }
+      qh[e] = vq;
+      kh[e] = vk;
     }
     for (int e = tid; e < Tg * P; e += kThreads) {
       const int row = e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
@@ -543,6 +586,12 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
     float dda_part = 0.f;
     for (int e = tid; e < NP; e += kThreads) dda_part += St[e] * dS[e];
     const float dda = expf(da_last) * block_sum(dda_part, sh.red);  // its barriers end phase 1
+    // DDA_CS and DDA_CS_REV / ts per step (stored below), before phase 2 overwrites SG and SX.
+    // Step i's rows are the R N contiguous elements from i R N on.
+    step_sums(L, C, R * N, sh.red, sh.s1,
+              [&](int i, int idx) { return qh[i * R * N + idx] * SG[i * R * N + idx]; });
+    step_sums(L, C, R * N, sh.red, sh.s2,
+              [&](int i, int idx) { return kh[i * R * N + idx] * SX[i * R * N + idx]; });
 
     // ---- phase 2: dqh, dkh / ts, dx as products with masked coefficient matrices (in Mc)
     // Query row (i, r): the inter-chunk readout and the earlier keys (j, r') with j < i:
@@ -612,11 +661,6 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       }
       st(a.dssda, o5(a.dssda, b, h, c, s, tq), acc);
     }
-    // Step i's rows are the R N contiguous elements from i R N on.
-    step_sums(L, C, R * N, sh.red, sh.s1,
-              [&](int i, int idx) { return qh[i * R * N + idx] * SG[i * R * N + idx]; });
-    step_sums(L, C, R * N, sh.red, sh.s2,
-              [&](int i, int idx) { return kh[i * R * N + idx] * SX[i * R * N + idx]; });
     for (int i = tid; i < L; i += kThreads) {
       const int t = s0 + i;
       const float dcs = sh.s1[i], drev = sh.s2[i];
@@ -655,8 +699,7 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       float oq, ok;
       if (n < A || (n >= half && n < half + A)) {
         const int j = n < A ? n : n - half;
-        float sn, cs;
-        bb_sincos(ld(a.angles, o4(a.angles, b, t, h, j)), &sn, &cs);
+        const float cs = tcs[i * A + j], sn = tsn[i * A + j];
         const float q0 = dqh[base + j], q1 = dqh[base + half + j];
         const float k0 = dkh[base + j] * ts, k1 = dkh[base + half + j] * ts;
         if (n < A) {
@@ -672,9 +715,9 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       }
       // Diagonal gamma_i sum qk_dot[i, r, r2] x^r2 with qk_dot = qb . kb (unrotated).
       for (int r2 = 0; r2 < R; ++r2)
-        oq += (gam * XG[(i * R + r2) * Tg + row]) * biased(a, a.k, a.k_bias, b, t, r2, h, n);
+        oq += (gam * XG[(i * R + r2) * Tg + row]) * kb[(i * R + r2) * N + n];
       for (int r1 = 0; r1 < R; ++r1)
-        ok += (gam * XG[row * Tg + i * R + r1]) * biased(a, a.q, a.q_bias, b, t, r1, h, n);
+        ok += (gam * XG[row * Tg + i * R + r1]) * qb[(i * R + r1) * N + n];
       const int64_t orow = static_cast<int64_t>(t) * R + r;
       st(a.dq, o4(a.dq, b, orow, h, n), oq);
       st(a.dk, o4(a.dk, b, orow, h, n), ok);
@@ -727,8 +770,8 @@ BB_DEV void reduce_body(const Args& a) {
 // Workspace layout (floats; every region a multiple of 64 floats = 256 bytes) and grid sizes.
 struct Plan {
   int64_t n_ds = 0, n_part = 0, n_dd = 0, nslots = 0, slot_floats = 0;
-  int64_t o_qh = 0, o_kh = 0, o_sg = 0, o_sx = 0, o_dqh = 0, o_dkh = 0, o_x = 0, o_g = 0,
-          o_dp = 0, o_kq = 0, o_xg = 0, o_st = 0, o_m = 0;
+  int64_t o_qh = 0, o_kh = 0, o_sg = 0, o_sx = 0, o_x = 0, o_g = 0,
+          o_dp = 0, o_kq = 0, o_xg = 0, o_st = 0, o_m = 0, o_qb = 0, o_kb = 0, o_cs = 0, o_sn = 0;
   size_t bytes = 0;
   int64_t grid1 = 0, grid2 = 0, grid3 = 0, grid4 = 0;  // K1 is skipped when grid1 == 0
   size_t smem1 = 0;                                    // K1 dynamic shared memory (bytes)
@@ -762,8 +805,6 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots) 
   pl.o_kh = take(Tm * p.N);
   pl.o_sg = take(Tm * p.N);
   pl.o_sx = take(Tm * p.N);
-  pl.o_dqh = take(Tm * p.N);
-  pl.o_dkh = take(Tm * p.N);
   pl.o_x = take(Tm * p.P);
   pl.o_g = take(Tm * p.P);
   pl.o_dp = take(Tm * p.P);
@@ -771,6 +812,10 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots) 
   pl.o_xg = take(Tm * Tm);
   pl.o_st = take(NP);
   pl.o_m = take(Tm * Tm);
+  pl.o_qb = take(Tm * p.N);
+  pl.o_kb = take(Tm * p.N);
+  pl.o_cs = take(p.C * std::max<int64_t>(p.A, 1));
+  pl.o_sn = take(p.C * std::max<int64_t>(p.A, 1));
   pl.slot_floats = o;
   pl.nslots = std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
   // + kAlign: the caller's pointer is rounded up to kAlign bytes.
@@ -831,8 +876,9 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.k1_rows = pl.k1_rows;
   a.tc = pl.tc ? 1 : 0;
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
-  a.o_dqh = pl.o_dqh, a.o_dkh = pl.o_dkh, a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
+  a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
   a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st, a.o_m = pl.o_m;
+  a.o_qb = pl.o_qb, a.o_kb = pl.o_kb, a.o_cs = pl.o_cs, a.o_sn = pl.o_sn;
   return a;
 }
 

@@ -74,7 +74,7 @@ void run_all(const std::vector<MimoBwdBwdCase>& cases, const char* title, int re
   print_worst(title, worst);
 }
 
-// More chunks than the chunk kernel has scratch slots (256): the grid-stride loop reuses slots;
+// More chunks than the chunk kernel has scratch slots (kMaxSlots = 396): the grid-stride loop reuses slots;
 // long reverse scans over the chunks of one (b, h).
 TEST(MimoBwdBwdCuda, ManyChunks) {
   SKIP_WITHOUT_CUDA();

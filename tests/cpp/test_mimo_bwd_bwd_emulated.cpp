@@ -347,7 +347,7 @@ TEST(MimoBwdBwdEmulated, KernelBodiesMatchTheCpuBackend) {
 }
 
 // More chunks than K3 CTAs: the grid-stride loop reuses each CTA's scratch slot (the cap is
-// lowered to 3 CTAs here; the device tests reach the real cap of 256), many chunks per (b, h).
+// lowered to 3 CTAs here; the device tests reach the real cap of kMaxSlots = 396), many chunks per (b, h).
 TEST(MimoBwdBwdEmulated, GridStrideOverManyChunks) {
   check_case(Shape{1, 83, 2, 1, 8, 4, 2, 8, 4, kReduceO, true, 0, IoType::F32, IoType::F32}, 41,
              3);
