@@ -153,39 +153,14 @@ BB_DEV int64_t o5(const View& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3,
 
 BB_DEV float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
-// Biased, unrotated q (or k) of step t, rank r, for head h: element m.
-BB_DEV float biased(const Args& a, const View& x, const View& bias, int b, int t, int r, int h,
-                    int m) {
-  const int g = h / a.HG;
-  return ld(x, o5(x, b, t, r, g, m)) + ld(bias, o3(bias, h, r, m));
+// Offset of element p = 0 of dPhiO row (t, r) in dout, and dout's stride along p (row-wise loads
+// do the multi-stride index math once per row, not per element).
+BB_DEV int64_t dphio_row(const Args& a, int b, int t, int r, int h) {
+  if (a.layout == 0) return o3(a.dout, b, t, h);
+  if (a.layout == 1) return o4(a.dout, b, t, r, h);
+  return o3(a.dout, b, h, static_cast<int64_t>(t) * a.R + r);
 }
-
-// Element n of the rotated, biased q (or k): half pairs (i, half + i), i < A, turned by the
-// step's angle i; the other dims unrotated.
-BB_DEV float rotated(const Args& a, const View& x, const View& bias, int b, int t, int r, int h,
-                     int n) {
-  if (n < a.A) {
-    float sn, cs;
-    bb_sincos(ld(a.angles, o4(a.angles, b, t, h, n)), &sn, &cs);
-    return biased(a, x, bias, b, t, r, h, n) * cs -
-           biased(a, x, bias, b, t, r, h, a.half + n) * sn;
-  }
-  if (n >= a.half && n < a.half + a.A) {
-    const int i = n - a.half;
-    float sn, cs;
-    bb_sincos(ld(a.angles, o4(a.angles, b, t, h, i)), &sn, &cs);
-    return biased(a, x, bias, b, t, r, h, i) * sn + biased(a, x, bias, b, t, r, h, n) * cs;
-  }
-  return biased(a, x, bias, b, t, r, h, n);
-}
-
-// dPhiO_t^r[p] = dL/dy_t^r[p] from the dout layout.
-BB_DEV float dphio(const Args& a, int b, int t, int r, int h, int p) {
-  if (a.layout == 0)
-    return ld(a.dout, o4(a.dout, b, t, h, p)) * ld(a.mimo_o, o3(a.mimo_o, h, r, p));
-  if (a.layout == 1) return ld(a.dout, o5(a.dout, b, t, r, h, p));
-  return ld(a.dout, o4(a.dout, b, h, static_cast<int64_t>(t) * a.R + r, p));
-}
+BB_DEV int64_t dphio_pstride(const Args& a) { return a.layout == 1 ? a.dout.s[4] : a.dout.s[3]; }
 
 // Sum over the block in a fixed tree (deterministic); every thread must call it and gets the
 // total. Ends with a barrier, so `red` may be reused right after.
@@ -208,10 +183,14 @@ BB_DEV float block_sum(float v, float* red) {
 template <class F>
 BB_DEV void step_sums(int L, int C, int cnt, float* red, float* out, F f) {
   const int nper = kThreads / C, tid = bb_tid(), i = tid / nper, k = tid % nper;
-  float acc = 0.f;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: the terms are scratch loads
   if (i < L)
-    for (int idx = k; idx < cnt; idx += nper) acc += f(i, idx);
-  red[tid] = acc;
+    for (int idx = k; idx < cnt; idx += 4 * nper) {
+      BB_UNROLL
+      for (int u = 0; u < 4; ++u)
+        if (idx + u * nper < cnt) acc[u] += f(i, idx + u * nper);
+    }
+  red[tid] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
   bb_sync();
   if (tid < L) {
     float sum = 0.f;
@@ -400,17 +379,42 @@ BB_DEV void increment_body(const Args& a, float* smem) {
   float* sq = smem;             // [rows][N]: E_i qh_i^r
   float* sg = smem + rows * N;  // [rows][P]: dPhiO_i^r
   float* U = a.ws_ds + item * static_cast<int64_t>(N) * P;
+  const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{h / a.HG} * a.q.s[3];
+  const int64_t dps = dphio_pstride(a);
   for (int a0 = 0; a0 < Tg; a0 += rows) {
     const int nr = bb_min(rows, Tg - a0);
+    // Biased q rows and dPhiO rows, each element loaded once ...
     for (int e = tid; e < nr * N; e += kThreads) {
       const int row = a0 + e / N, n = e % N, i = row / R, r = row % R, t = s0 + i;
-      sq[e] = row < T ? expf(ld(a.da_cs, o3(a.da_cs, b, h, t))) *
-                            rotated(a, a.q, a.q_bias, b, t, r, h, n)
+      sq[e] = row < T ? ld(a.q, q0 + t * a.q.s[1] + r * a.q.s[2] + n * a.q.s[4]) +
+                            ld(a.q_bias, o3(a.q_bias, h, r, n))
                       : 0.f;
     }
     for (int e = tid; e < nr * P; e += kThreads) {
-      const int row = a0 + e / P, p = e % P, i = row / R, r = row % R;
-      sg[e] = row < T ? dphio(a, b, s0 + i, r, h, p) : 0.f;
+      const int row = a0 + e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
+      float vg = 0.f;
+      if (row < T) {
+        vg = ld(a.dout, dphio_row(a, b, t, r, h) + p * dps);
+        if (a.layout == 0) vg *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
+      }
+      sg[e] = vg;
+    }
+    bb_sync();
+    // ... then rotated in place (the thread of pair element j < A turns both j and half + j) and
+    // scaled by E_i.
+    for (int e = tid; e < nr * N; e += kThreads) {
+      const int row = a0 + e / N, n = e % N, t = s0 + row / R;
+      if (row >= T || (n >= a.half && n < a.half + a.A)) continue;
+      const float E = expf(ld(a.da_cs, o3(a.da_cs, b, h, t)));
+      if (n < a.A) {
+        float sn, cs;
+        bb_sincos(ld(a.angles, o4(a.angles, b, t, h, n)), &sn, &cs);
+        const float u = sq[e], w = sq[e + a.half];
+        sq[e] = E * (u * cs - w * sn);
+        sq[e + a.half] = E * (u * sn + w * cs);
+      } else {
+        sq[e] *= E;
+      }
     }
     bb_sync();
     // U[n][p] += sum_rows sq[row][n] sg[row][p]; the same N x P product every tile, so each
@@ -508,7 +512,7 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       sh.qk[e] = ld(a.qk_dot, o5(a.qk_dot, b, h, s0 + i, r, r2));
     }
     // Biased q / k rows (unrotated; phase 3's diagonal terms reuse them) and the step's
-    // rotation table, each element loaded once (why: per-element rotated() reloaded both halves
+    // rotation table, each element loaded once (why: a per-element rotation reloaded both halves
     // and recomputed sincos, and the loads' index math dominated this kernel's instructions).
     {
       const int g = h / a.HG;
@@ -546,14 +550,23 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
       qh[e] = vq;
       kh[e] = vk;
     }
+    const int64_t dps = dphio_pstride(a);
     for (int e = tid; e < Tg * P; e += kThreads) {
       const int row = e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
-      const bool in = row < T;
-      xs[e] = in ? ld(a.v, o4(a.v, b, t, h, p)) * ld(a.mimo_v, o3(a.mimo_v, h, r, p)) : 0.f;
-      gs[e] = in ? dphio(a, b, t, r, h, p) : 0.f;
+      float vx = 0.f, vg = 0.f;
+      if (row < T) {
+        vx = ld(a.v, o3(a.v, b, t, h) + p * a.v.s[3]) * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
+        vg = ld(a.dout, dphio_row(a, b, t, r, h) + p * dps);
+        if (a.layout == 0) vg *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
+      }
+      xs[e] = vx;
+      gs[e] = vg;
     }
-    for (int e = tid; e < NP; e += kThreads)
-      St[e] = ld(a.states, o5(a.states, b, h, c, e / P, e % P));
+    {
+      const int64_t sb = o3(a.states, b, h, c);
+      for (int e = tid; e < NP; e += kThreads)
+        St[e] = ld(a.states, sb + (e / P) * a.states.s[3] + (e % P) * a.states.s[4]);
+    }
     bb_sync();
     // Decays; a partial last chunk takes them from da_cs alone (the tail contract).
     const float da_last = sh.dacs[L - 1];
