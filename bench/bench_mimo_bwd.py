@@ -609,8 +609,9 @@ def report(op, rows, dev_name, copy_gbps, mm_tflops, up_note, compile_note, use_
 def main():
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--op", choices=OPS + ("all",), default="bwd_fwd",
-                    help="what to measure (default bwd_fwd; all: the three in one process)")
+    ap.add_argument("--op", default="bwd_fwd",
+                    help="what to measure: bwd_fwd (default), bwd_bwd, combined, a comma-separated "
+                         "list of them, or all (the three in one process)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-upstream", action="store_true")
     ap.add_argument("--no-ref", dest="ref", action="store_false",
@@ -639,7 +640,10 @@ def main():
         cfg.no_upstream = True
     cfg.reps, cfg.trials, cfg.warmup = (10, 5, 2) if cfg.quick else (20, 11, 3)
     shapes = SHAPES if not cfg.shapes else [SHAPES[int(i)] for i in cfg.shapes.split(",")]
-    op_names = list(OPS) if cfg.op == "all" else [cfg.op]
+    op_names = list(OPS) if cfg.op == "all" else [o.strip() for o in cfg.op.split(",")]
+    bad = [o for o in op_names if o not in OPS]
+    if bad:
+        ap.error(f"--op: unknown {', '.join(bad)} (choose from {', '.join(OPS)}, or all)")
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dev_name = torch.cuda.get_device_name() if DEV != "cpu" else \

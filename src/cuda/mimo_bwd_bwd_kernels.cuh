@@ -267,8 +267,8 @@ struct KAll {
 
 // The same product on tensor cores (mma.sync m16n8k8, 3xTF32: every fp32 operand x split into
 // hi = tf32(x), lo = tf32(x - hi), a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi, about 2^-21 relative
-// per product). Chosen by the plan (Args::tc) only for 16-bit activations, whose tolerances it
-// meets with a wide margin; fp32 activations keep the FFMA tiles (float32-reference accuracy).
+// per product). Chosen by the plan (Args::tc) only for 16-bit q, k, v, whose tolerances it meets
+// with a wide margin; fp32 activations keep the FFMA tiles (float32-reference accuracy).
 // Needs M % 16 == 0, Nn % 8 == 0 and a contraction length that is a multiple of 8 (the k range is
 // widened to multiples of 8: the coefficient matrices hold explicit zeros there). Each warp owns
 // 16 x 32 output tiles; the output-to-thread map depends only on (M, Nn), as block_gemm's.
@@ -843,11 +843,12 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots) 
   pl.k1_rows = static_cast<int>(std::min<int64_t>(
       Tm, std::max<int64_t>(1, kK1Smem / (static_cast<int64_t>(sizeof(float)) * (p.N + p.P)))));
   if (pl.k1_rows >= 8) pl.k1_rows &= ~7;  // whole mma k-steps per tile
-  // Tensor cores (3xTF32) for 16-bit activations, whose tolerance leaves room for its ~2^-21
-  // relative product error, when every product's dims fit the m16n8k8 tiles.
+  // Tensor cores (3xTF32) for 16-bit q, k, v, whose tolerance leaves room for its ~2^-21
+  // relative product error, when every product's dims fit the m16n8k8 tiles. dout may be fp32:
+  // the combined backward hands over the gated or pre-RMS dout of 16-bit inputs in fp32.
   auto half16 = [](const TensorView& t) { return t.dtype == DType::F16 || t.dtype == DType::BF16; };
-  pl.tc = half16(p.q) && half16(p.k) && half16(p.v) && half16(p.dout) && Tm % 16 == 0 &&
-          p.N % 16 == 0 && p.P % 16 == 0;
+  pl.tc = half16(p.q) && half16(p.k) && half16(p.v) && Tm % 16 == 0 && p.N % 16 == 0 &&
+          p.P % 16 == 0;
   pl.smem1 = static_cast<size_t>(pl.k1_rows) * (p.N + p.P) * sizeof(float);
   return pl;
 }
