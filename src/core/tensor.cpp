@@ -86,4 +86,23 @@ TensorView make_view(const DLTensor* t, const char* name) {
   return v;
 }
 
+TensorView compact_f32_view(void* data, std::initializer_list<int64_t> shape, const char* name,
+                            DeviceKind device, int device_id) {
+  TensorView v;
+  v.name = name;
+  v.data = data;
+  v.dtype = DType::F32;
+  v.device = device;
+  v.device_id = device_id;
+  v.ndim = static_cast<int>(shape.size());
+  MAMBA3_CHECK_ARG(v.ndim <= kMaxDims, name, ": ", v.ndim, " dims exceed ", kMaxDims);
+  int64_t n = 1;
+  for (int i = v.ndim - 1; i >= 0; --i) {
+    v.shape[i] = shape.begin()[i];
+    v.strides[i] = n;
+    n *= v.shape[i];
+  }
+  return v;
+}
+
 }  // namespace mamba3

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include <dlpack/dlpack.h>
@@ -52,5 +53,10 @@ struct TensorView {
 // Converts a DLTensor (may be NULL for an optional argument) into a TensorView. Rejects
 // unsupported dtypes, vector lanes, devices and ranks above kMaxDims, naming `name`.
 TensorView make_view(const DLTensor* t, const char* name);
+
+// A compact (row-major) float32 view of `data` with the given shape: the backends' internal
+// intermediates (a combined operator's scratch between its passes).
+TensorView compact_f32_view(void* data, std::initializer_list<int64_t> shape, const char* name,
+                            DeviceKind device, int device_id = 0);
 
 }  // namespace mamba3

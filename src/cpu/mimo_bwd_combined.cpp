@@ -16,23 +16,13 @@
 namespace mamba3::cpu {
 namespace {
 
-// A compact float32 CPU view of `buf` with the given shape.
+// A compact float32 CPU view of `buf` (resized and zeroed) with the given shape.
 TensorView scratch(std::vector<float>& buf, std::initializer_list<int64_t> shape,
                    const char* name) {
-  TensorView v;
-  v.name = name;
-  v.dtype = DType::F32;
-  v.device = DeviceKind::CPU;
-  v.ndim = static_cast<int>(shape.size());
   int64_t n = 1;
-  for (int i = v.ndim - 1; i >= 0; --i) {
-    v.shape[i] = shape.begin()[i];
-    v.strides[i] = n;
-    n *= v.shape[i];
-  }
+  for (int64_t x : shape) n *= x;
   buf.assign(static_cast<size_t>(n), 0.f);
-  v.data = buf.data();
-  return v;
+  return compact_f32_view(buf.data(), shape, name, DeviceKind::CPU);
 }
 
 inline float sigmoidf(float x) { return 1.f / (1.f + std::exp(-x)); }

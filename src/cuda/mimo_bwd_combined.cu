@@ -311,20 +311,7 @@ Layout make_layout(const MimoCombinedParams& cp, unsigned char* base) {
     return p;
   };
   auto view = [&](float* p, std::initializer_list<int64_t> shape, const char* name) {
-    TensorView v;
-    v.name = name;
-    v.data = p;
-    v.dtype = DType::F32;
-    v.device = DeviceKind::CUDA;
-    v.device_id = f.device_id;
-    v.ndim = static_cast<int>(shape.size());
-    int64_t n = 1;
-    for (int i = v.ndim - 1; i >= 0; --i) {
-      v.shape[i] = shape.begin()[i];
-      v.strides[i] = n;
-      n *= v.shape[i];
-    }
-    return v;
+    return compact_f32_view(p, shape, name, DeviceKind::CUDA, f.device_id);
   };
 
   // first pass
