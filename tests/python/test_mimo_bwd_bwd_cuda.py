@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-import mamba3_kernels  # noqa: E402
 import mimo_ref as M  # noqa: E402
 from mamba3_kernels import mimo  # noqa: E402
 
@@ -25,15 +24,7 @@ DEV = "cuda"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _setup():
-    assert mamba3_kernels.has_cuda(), (
-        f"{mamba3_kernels.library_path()} was built without the CUDA backend")
-    # The float32 reference must be a float32 computation (no TF32 in its matmuls).
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+pytestmark = pytest.mark.usefixtures("cuda_backend", "fp32_reference_matmuls")
 
 
 def _call(inp, **extra):

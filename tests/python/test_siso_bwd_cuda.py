@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-import mamba3_kernels  # noqa: E402
 import siso_ref as R  # noqa: E402
 from mamba3_kernels import siso  # noqa: E402
 
@@ -23,10 +22,7 @@ DEV = "cuda"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _library_has_cuda():
-    assert mamba3_kernels.has_cuda(), (
-        f"{mamba3_kernels.library_path()} was built without the CUDA backend")
+pytestmark = pytest.mark.usefixtures("cuda_backend")
 
 
 def _equal_all(a, b):
