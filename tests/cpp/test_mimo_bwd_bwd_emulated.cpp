@@ -360,6 +360,30 @@ TEST(MimoBwdBwdEmulated, LargestChunkRows) {
   check_case(Shape{1, 70, 1, 1, 16, 8, 8, 64, 4, kPerRank, true, 0, IoType::F32, IoType::F32}, 42);
 }
 
+// The plan's choice of tensor-core products (3xTF32): 16-bit q, k and v (dout of any dtype:
+// the combined backward passes an fp32 one), and N, P and the chunk's rows C R multiples of 16;
+// fp32 q, k or v keep the FFMA tiles (they must match the float32 reference itself).
+TEST(MimoBwdBwdEmulated, PlanPicksTensorCoresFor16BitQkv) {
+  using mamba3::DType;
+  auto plan = [](DType qkv, DType dout, int64_t N, int64_t P, int64_t R, int64_t C) {
+    mamba3::MimoBwdBwdParams p;
+    p.B = 1, p.S = 64, p.H = 1, p.G = 1, p.N = N, p.P = P, p.R = R, p.C = C;
+    p.nchunks = (p.S + C - 1) / C;
+    p.A = N / 4;
+    p.q.dtype = p.k.dtype = p.v.dtype = qkv;
+    p.dout.dtype = dout;
+    return bb::make_plan(p);
+  };
+  EXPECT_TRUE(plan(DType::BF16, DType::BF16, 128, 64, 4, 16).tc);
+  EXPECT_TRUE(plan(DType::F16, DType::F32, 64, 32, 2, 8).tc);   // fp32 dout
+  EXPECT_FALSE(plan(DType::F32, DType::BF16, 128, 64, 4, 16).tc);  // fp32 q, k, v
+  EXPECT_FALSE(plan(DType::BF16, DType::BF16, 24, 64, 4, 16).tc);  // N % 16
+  EXPECT_FALSE(plan(DType::BF16, DType::BF16, 64, 40, 4, 16).tc);  // P % 16
+  EXPECT_FALSE(plan(DType::BF16, DType::BF16, 64, 64, 1, 8).tc);   // C R = 8 rows
+  // K1's row tiles are whole mma k-steps (multiples of 8 rows) under its shared-memory budget.
+  EXPECT_EQ(plan(DType::BF16, DType::BF16, 256, 64, 8, 64).k1_rows % 8, 0);
+}
+
 }  // namespace
 
 #endif  // MAMBA3_GOLDEN_CUDA
