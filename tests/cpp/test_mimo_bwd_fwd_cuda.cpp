@@ -29,6 +29,7 @@
 #include "mimo_bwd_fwd_grid.hpp"
 #include "pairwise.hpp"
 #include "case_log.hpp"
+#include "cuda_operands.hpp"
 
 #ifdef MAMBA3_GOLDEN_CUDA
 #include <cuda_runtime.h>
@@ -182,91 +183,7 @@ TEST(MimoBwdFwdCuda, ReferenceShapesShortSequence) {
 
 #ifdef MAMBA3_GOLDEN_CUDA
 
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-// A host Buffer's bytes on the device, described by a DLTensor with the Buffer's shape and
-// strides, optionally behind a byte offset of `offset_elems` elements.
-struct Dev {
-  Buffer* host = nullptr;
-  void* ptr = nullptr;
-  size_t offset = 0;
-  DLTensor dl{};
-  Dev() = default;
-  explicit Dev(Buffer* b, int64_t offset_elems = 0) : host(b) {
-    if (!b || b->shape.empty()) {
-      host = nullptr;
-      return;
-    }
-    offset = static_cast<size_t>(offset_elems * io_size(b->type));
-    ck(cudaMalloc(&ptr, b->bytes.size() + offset), "cudaMalloc");
-    ck(cudaMemset(ptr, 0x7f, b->bytes.size() + offset), "cudaMemset");
-    upload();
-  }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  ~Dev() {
-    if (ptr) cudaFree(ptr);
-  }
-  void upload() {
-    ck(cudaMemcpy(static_cast<char*>(ptr) + offset, host->bytes.data(), host->bytes.size(),
-                  cudaMemcpyHostToDevice),
-       "upload");
-  }
-  std::vector<unsigned char> download() const {
-    std::vector<unsigned char> out(host->bytes.size());
-    ck(cudaMemcpy(out.data(), static_cast<char*>(ptr) + offset, out.size(),
-                  cudaMemcpyDeviceToHost),
-       "download");
-    return out;
-  }
-  DLTensor* t() {
-    if (!host) return nullptr;
-    dl = *host->tensor();
-    dl.data = ptr;
-    dl.byte_offset = offset;
-    dl.device = DLDevice{kDLCUDA, 0};
-    return &dl;
-  }
-};
-
-Buffer rand_buf(std::mt19937_64& rng, IoType t, std::vector<int64_t> shape, double lo, double hi) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return Buffer::from_double(t, std::move(shape), uniform(rng, n, lo, hi, t));
-}
-
-// The same buffer with its dimensions stored in reverse order (every stride differs from the
-// compact one): values copied, compact_of() maps back.
-Buffer reversed_layout(const Buffer& src) {
-  Buffer b = src;
-  const int nd = static_cast<int>(src.shape.size());
-  std::vector<int64_t> strides(nd);
-  int64_t s = 1;
-  for (int d = 0; d < nd; ++d) strides[d] = s, s *= src.shape[d];
-  b.strides = strides;
-  b.bytes.assign(src.bytes.size(), 0x7f);
-  const int es = io_size(src.type);
-  for (int64_t i = 0; i < src.numel(); ++i) {
-    int64_t flat = i, off = 0;
-    for (int d = nd - 1; d >= 0; --d) off += (flat % src.shape[d]) * strides[d], flat /= src.shape[d];
-    std::copy_n(src.bytes.data() + i * es, es, b.bytes.data() + off * es);
-  }
-  return b;
-}
-
-std::vector<unsigned char> compact_of(const Buffer& rev, const std::vector<unsigned char>& bytes) {
-  const int nd = static_cast<int>(rev.shape.size());
-  const int es = io_size(rev.type);
-  std::vector<unsigned char> out(bytes.size());
-  for (int64_t i = 0; i < rev.numel(); ++i) {
-    int64_t flat = i, off = 0;
-    for (int d = nd - 1; d >= 0; --d) off += (flat % rev.shape[d]) * rev.strides[d], flat /= rev.shape[d];
-    std::copy_n(bytes.data() + off * es, es, out.data() + i * es);
-  }
-  return out;
-}
+using namespace mamba3::test::cuda_ops;
 
 // A full set of operands (inputs in the argument order, outputs) for the tests below.
 struct MimoOperands {
