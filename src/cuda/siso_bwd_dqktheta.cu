@@ -1,9 +1,10 @@
 // CUDA backend of compute_dqktheta (seed 000): gradients through the q/k biases, the interleaved
 // rotary embedding and the angles.
 //
-// Two kernels write the same outputs and the same per-CTA bias partials: the lean kernel (see its
-// comment further down) takes the common layouts and dtypes; the pipelined kernel described here
-// takes everything else.
+// Three kernels write the same outputs and the same per-CTA bias partials: the split-run kernel
+// (siso_bwd_dqktheta_split.cu) takes the model's usual layout (A = N/4, 16-bit activations); the
+// lean kernel (see its comment further down) the other common layouts and dtypes; the pipelined
+// kernel described here everything else.
 //
 // Design (memory-bound: ~6 bytes moved per FMA-pair of work, so the goal is one pass at HBM speed):
 // * One persistent 16-warp CTA per SM. A CTA owns a contiguous range of rows (flattened (b, s)) of
@@ -40,13 +41,15 @@
 #include "cuda/common.cuh"
 #include "cuda/cu_seqlens.cuh"
 #include "cuda/siso_bwd.hpp"
+#include "cuda/siso_bwd_dqktheta_shared.cuh"
 
 namespace mamba3::cuda {
 namespace {
 
+using namespace dqk;
+
 constexpr int kWarpsMax = 16;        // warps per CTA (WH * WR <= 16)
 constexpr int kTargetCtasPerSm = 1;  // grid = 1 CTA per SM
-constexpr int kLeanCtasPerSm = 2;    // the lean kernel's most CTAs per SM (sizes the workspace)
 constexpr int kLanesPerElem = 8;     // elements per lane (VEC * J)
 
 struct DqkArgs {
@@ -961,35 +964,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Transposed butterfly over the lanes of a row (xor masks M, M/2, ..., 1 with M = LPR/2): K
-// values (K a power of two <= 2M) are summed so that each exchange moves half of the remaining
-// values (K-1 + log2(2M/K) shuffles instead of K*log2(2M)). Afterwards lane `col` of the row holds
-// in v[0] the full sum of value col / (2M/K). Fixed order: deterministic.
-template <int K, int M>
-__device__ __forceinline__ void row_reduce_t(float* v, int col) {
-  if constexpr (M >= 1) {
-    if constexpr (K > 1) {
-      const bool up = (col & M) != 0;
-#pragma unroll
-      for (int j = 0; j < K / 2; ++j) {
-        const float send = up ? v[j] : v[j + K / 2];
-        const float keep = up ? v[j + K / 2] : v[j];
-        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
-      }
-      row_reduce_t<K / 2, M / 2>(v, col);
-    } else {
-      v[0] += __shfl_xor_sync(0xffffffffu, v[0], M);
-      row_reduce_t<1, M / 2>(v, col);
-    }
-  }
-}
-
-// Angle reduced to [-pi, pi] (two-constant Cody-Waite), then the hardware sin/cos.
-__device__ __forceinline__ void fast_sincos(float x, float* s, float* c) {
-  const float k = rintf(x * 0.159154943f);
-  const float r = fmaf(-k, 1.74845553e-7f, fmaf(-k, 6.28318548f, x));
-  __sincosf(r, s, c);
-}
 
 template <class Tg, int N, bool WIDE>
 __global__ void __launch_bounds__(kLeanWarps * 32, 2)
@@ -1362,37 +1336,8 @@ void warp_split(int64_t HG, int* WH, int* WR) {
   *WR = kWarpsMax / *WH;
 }
 
-// CTAs per q/k head: one per SM over all heads, but at least kMinRowsPerCta rows each, so that the
-// per-CTA bias partials (HG*2N floats) stay small next to the CTA's own traffic (~6*HG*N bytes
-// per row): the workspace is then also bounded by a fraction of the inputs' size.
-constexpr int64_t kMinRowsPerCta = 16;
-int64_t ctas_per_group_bound(int64_t G, int sms, int64_t rows, int per_sm) {
-  const int64_t target = static_cast<int64_t>(per_sm) * sms;
-  const int64_t by_sm = (target + G - 1) / G;
-  return std::max<int64_t>(1, std::min(by_sm, rows / kMinRowsPerCta));
-}
 
-// Every element offset of the view is non-negative and below 2^31 (32-bit index arithmetic).
-bool offsets_fit_int32(const TensorView& v) {
-  int64_t mx = 0;
-  for (int d = 0; d < v.ndim; ++d) {
-    if (v.strides[d] < 0) return false;
-    if (v.shape[d] > 1) mx += (v.shape[d] - 1) * v.strides[d];
-  }
-  return mx < (int64_t(1) << 31);
-}
 
-// The big tensor's rows can be read as chunks of `bytes` (unit innermost stride, base and outer
-// strides aligned to `bytes`).
-bool rows_vectorizable(const TensorView& v, int64_t bytes) {
-  const int last = v.ndim - 1;
-  if (v.strides[last] != 1) return false;
-  if (!aligned_to(v.data, bytes)) return false;
-  const int64_t es = dtype_size(v.dtype);
-  for (int d = 0; d < last; ++d)
-    if (v.shape[d] > 1 && ((v.strides[d] * es) % bytes) != 0) return false;
-  return true;
-}
 
 int lanes_per_row(int64_t nchunks, int J) {
   const int64_t per = (nchunks + J - 1) / J;
@@ -1754,7 +1699,7 @@ size_t dqktheta_workspace_bytes(int64_t B, int64_t S, int64_t G, int64_t H, int6
   if (B <= 0 || S <= 0 || G <= 0 || H <= 0 || N <= 0) return 0;
   const int sms = sm_count(device_id);
   const int64_t HG = (H + G - 1) / G;
-  const int64_t floats = G * ctas_per_group_bound(G, sms, B * S, kLeanCtasPerSm) * HG * 2 * N;
+  const int64_t floats = G * ctas_per_group_bound(G, sms, B * S, kMaxCtasPerSm) * HG * 2 * N;
   return static_cast<size_t>(floats) * sizeof(float) + kWsAlign;
 }
 
@@ -1778,6 +1723,10 @@ void compute_dqktheta(const DqkthetaParams& p, void* workspace, size_t workspace
 
   float* const ws =
       reinterpret_cast<float*>(align_up(reinterpret_cast<uintptr_t>(workspace), kWsAlign));
+  if (const int split_ctas = run_split(p, ws, sms, st)) {
+    launch_bias_reduce(p, ws, split_ctas, st);
+    return;
+  }
   if (const int lean_ctas = run_lean(p, ws, sms, st)) {
     launch_bias_reduce(p, ws, lean_ctas, st);
     return;

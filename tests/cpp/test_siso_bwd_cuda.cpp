@@ -210,6 +210,39 @@ TEST(SisoBwdCuda, DqkthetaLeanAndFallbackPaths) {
   print_worst("compute_dqktheta (lean and fallback paths) on cuda", worst);
 }
 
+// The split-run kernel (A = N/4, 16-bit q/k/dq_in/dk_in, float32 angles and row scalars) for
+// every N it takes: warps holding all heads of the group (dq/dk by shuffles; 8 heads per warp at
+// N = 32, 1 at N = 256) and groups spread over 2-16 warps (dq/dk through shared memory, with 1-8
+// warps per head along the rows), single positions, partial last blocks, CTAs walking many
+// blocks, varlen and d_ok_state; plus same-shape cases it must leave to the lean kernel (heads
+// per group not a multiple of the heads a warp holds, A != N/4).
+TEST(SisoBwdCuda, DqkthetaSplitRunPaths) {
+  SKIP_WITHOUT_CUDA();
+  const IoType F = IoType::F32, H = IoType::F16, BF = IoType::BF16;
+  std::vector<DqkthetaCase> cases = {
+      dqk(2, 37, 1, 8, 32, 8, BF, BF, F, 71),    dqk(1, 45, 1, 16, 32, 8, H, H, F, 72),
+      dqk(2, 29, 2, 8, 64, 16, BF, BF, F, 73),   dqk(1, 53, 1, 8, 64, 16, H, H, F, 74),
+      dqk(1, 19, 1, 64, 64, 16, BF, BF, F, 75),  dqk(2, 33, 1, 2, 128, 32, BF, BF, F, 76),
+      dqk(1, 41, 1, 32, 128, 32, H, H, F, 77),   dqk(2, 17, 1, 16, 128, 32, BF, BF, F, 78),
+      dqk(1, 1, 1, 4, 128, 32, BF, BF, F, 79),   dqk(1, 700, 2, 8, 128, 32, BF, BF, F, 80),
+      dqk(2, 23, 1, 1, 256, 64, H, H, F, 81),    dqk(1, 31, 1, 16, 256, 64, BF, BF, F, 82),
+      dqk(2, 5, 3, 6, 128, 32, BF, BF, F, 83),   dqk(1, 39, 1, 6, 128, 32, BF, BF, F, 84),
+      dqk(2, 27, 1, 4, 128, 64, BF, BF, F, 85),  dqk(1, 300, 4, 16, 64, 16, BF, BF, F, 86),
+  };
+  WorstLog worst;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    DqkthetaCase c = cases[i];
+    for (int variant = 0; variant < 2; ++variant) {
+      c.dok = variant == 1;
+      if (variant == 1 && c.B == 1 && c.S >= 3) c.seqlens = split_lengths(c.S, 3);
+      const CaseReport r = run_dqktheta_case(c, Device::CUDA, 2);
+      expect_pass(r);
+      record(worst, r);
+    }
+  }
+  print_worst("compute_dqktheta (split-run kernel) on cuda", worst);
+}
+
 // Many short sequences (length 1 included) with d_ok_state: most rows are a sequence's last.
 TEST(SisoBwdCuda, DqkthetaManyShortSequences) {
   SKIP_WITHOUT_CUDA();

@@ -1,0 +1,86 @@
+// Pieces shared by the compute_dqktheta kernels (siso_bwd_dqktheta.cu: the pipelined and the lean
+// kernel; siso_bwd_dqktheta_split.cu: the split-run kernel): row reductions, the fast sin/cos,
+// the host-side layout tests and the bound on CTAs per q/k head that sizes the workspace.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/siso_bwd_params.hpp"
+#include "cuda/common.cuh"
+
+namespace mamba3::cuda::dqk {
+
+// Transposed butterfly over the lanes of a row (xor masks M, M/2, ..., 1 with M = LPR/2): K
+// values (K a power of two <= 2M) are summed so that each exchange moves half of the remaining
+// values (K-1 + log2(2M/K) shuffles instead of K*log2(2M)). Afterwards lane `col` of the row holds
+// in v[0] the full sum of value col / (2M/K). Fixed order: deterministic.
+template <int K, int M>
+__device__ __forceinline__ void row_reduce_t(float* v, int col) {
+  if constexpr (M >= 1) {
+    if constexpr (K > 1) {
+      const bool up = (col & M) != 0;
+#pragma unroll
+      for (int j = 0; j < K / 2; ++j) {
+        const float send = up ? v[j] : v[j + K / 2];
+        const float keep = up ? v[j + K / 2] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+      }
+      row_reduce_t<K / 2, M / 2>(v, col);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], M);
+      row_reduce_t<1, M / 2>(v, col);
+    }
+  }
+}
+
+// Angle reduced to [-pi, pi] (two-constant Cody-Waite), then the hardware sin/cos (abs error
+// ~1e-6, far below the 16-bit tolerances; float32 inputs keep the precise sincosf).
+__device__ __forceinline__ void fast_sincos(float x, float* s, float* c) {
+  const float k = rintf(x * 0.159154943f);
+  const float r = fmaf(-k, 1.74845553e-7f, fmaf(-k, 6.28318548f, x));
+  __sincosf(r, s, c);
+}
+
+// CTAs per q/k head: one per SM over all heads, but at least kMinRowsPerCta rows each, so that the
+// per-CTA bias partials (HG*2N floats) stay small next to the CTA's own traffic (~6*HG*N bytes
+// per row): the workspace is then also bounded by a fraction of the inputs' size.
+constexpr int64_t kMinRowsPerCta = 16;
+inline int64_t ctas_per_group_bound(int64_t G, int sms, int64_t rows, int per_sm) {
+  const int64_t target = static_cast<int64_t>(per_sm) * sms;
+  const int64_t by_sm = (target + G - 1) / G;
+  return std::max<int64_t>(1, std::min(by_sm, rows / kMinRowsPerCta));
+}
+// The most CTAs per SM any kernel plans with (sizes the workspace: one bias partial per CTA).
+constexpr int kMaxCtasPerSm = 2;
+
+// Every element offset of the view is non-negative and below 2^31 (32-bit index arithmetic).
+inline bool offsets_fit_int32(const TensorView& v) {
+  int64_t mx = 0;
+  for (int d = 0; d < v.ndim; ++d) {
+    if (v.strides[d] < 0) return false;
+    if (v.shape[d] > 1) mx += (v.shape[d] - 1) * v.strides[d];
+  }
+  return mx < (int64_t(1) << 31);
+}
+
+// The big tensor's rows can be read as chunks of `bytes` (unit innermost stride, base and outer
+// strides aligned to `bytes`).
+inline bool rows_vectorizable(const TensorView& v, int64_t bytes) {
+  const int last = v.ndim - 1;
+  if (v.strides[last] != 1) return false;
+  if (!aligned_to(v.data, bytes)) return false;
+  const int64_t es = dtype_size(v.dtype);
+  for (int d = 0; d < last; ++d)
+    if (v.shape[d] > 1 && ((v.strides[d] * es) % bytes) != 0) return false;
+  return true;
+}
+
+// The split-run kernel (siso_bwd_dqktheta_split.cu) when it takes these arguments: launches it
+// on `st`, writing one bias partial per CTA into `ws` ([G][ctas][HG][2][N] floats), and returns
+// the CTAs per q/k head it used; 0 when it does not apply (nothing launched).
+int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st);
+
+}  // namespace mamba3::cuda::dqk

@@ -1,0 +1,479 @@
+// compute_dqktheta, split-run kernel: the model's usual rotary layout (A = N/4 rotated pairs, i.e.
+// rope on the first half of the head dimension) with 16-bit q/k/dq_in/dk_in/dq/dk, float32
+// angles and row scalars, 8-byte aligned rows and 32-bit offsets. Everything else runs the
+// kernels of siso_bwd_dqktheta.cu.
+//
+// Why a third kernel: the lean kernel spends ~240 warp instructions per (position, head) at
+// N = 128 (ncu, H200), of which the arithmetic is ~90; the rest is per-item overhead (the
+// dq/dk head sums through shared memory per item, the bias partials per (head, block), address
+// arithmetic, the L2 prefetch) and the rotation of lanes that hold no rotated pair. The
+// operator must move its bytes near the copy ceiling, which at ~55% issue efficiency leaves
+// ~130 instructions per item. This kernel is laid out so that each reduction is cheap:
+// * A lane owns 8 elements of one head's row in two runs of 4: [4c, 4c+4) in the rotated half and
+//   [N/2 + 4c, N/2 + 4c + 4) in the plain half (c = lane's column, LPR = N/8 lanes per row). Every
+//   lane rotates exactly two pairs (no lane computes a sin/cos it then discards), and a row is
+//   read as two coalesced 8-byte-per-lane pieces.
+// * The HR = 32 / LPR rows of a warp are HR different heads of the SAME position, and a warp keeps
+//   its heads for the whole kernel: the q/k bias gradients are plain register sums (one per lane
+//   for its head and columns), reduced once per CTA at the end.
+// * dq/dk (sums over the heads of the group): when a warp holds all heads of the group (WH = 1,
+//   e.g. N = 64 with 4 heads per group) by shuffles across its rows, written directly; otherwise
+//   each head's term goes to shared memory and the CTA sums the HG terms of each element in head
+//   order after a barrier per block of PB positions.
+// * Each warp walks its positions with a two-deep register pipeline: the loads of the next
+//   position are issued before the current one is computed, across head and block boundaries.
+// Deterministic: every sum has a fixed order, no atomics.
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/cu_seqlens.cuh"
+#include "cuda/siso_bwd_dqktheta_shared.cuh"
+
+namespace mamba3::cuda::dqk {
+namespace {
+
+constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline alternates 2 buffers)
+
+struct SplitArgs {
+  int rows, S, HG, WH, WR, PB, nblk;
+  const unsigned char *q, *k;
+  int q_sb, q_ss, q_sg;  // shared by q and k
+  const unsigned char *dqi, *dki;
+  int gi_sb, gi_ss, gi_sh;  // shared by dq_in and dk_in
+  unsigned char *dq, *dk;
+  int go_sb, go_ss, go_sg;  // shared by dq and dk
+  const float* ang;
+  float* dang;
+  int an_sb, an_ss, an_sh;  // shared by angles and dangles
+  const float *sc, *ga, *dqk;
+  float *dsc, *dga;
+  int sm_sb, sm_sh, sm_ss;  // shared by scale, gamma, dqk, dscale, dgamma
+  const unsigned char *qb, *kb;
+  int t_qb, t_kb;
+  int64_t qb_sh, qb_sn, kb_sh, kb_sn;
+  const unsigned char* dok;
+  int t_dok;
+  int64_t dok_sq, dok_sh, dok_sn;
+  int has_dok, varlen;
+  CuSeqlens cu;
+  float* ws;
+};
+
+// A position (flattened row = b * S + s) of the walk, with its element offsets (without the head
+// and column terms) into q/k, dq_in/dk_in, angles/dangles and the row scalars. A position past the
+// last row is marked invalid and points at row 0, so that its loads need no branch (their values
+// are never used for an output).
+struct Pos {
+  int b, s;
+  int oq, og, oa, os;
+  bool val;
+};
+
+__device__ __forceinline__ void pos_offsets(Pos& p, const SplitArgs& a) {
+  p.oq = p.b * a.q_sb + p.s * a.q_ss;
+  p.og = p.b * a.gi_sb + p.s * a.gi_ss;
+  p.oa = p.b * a.an_sb + p.s * a.an_ss;
+  p.os = p.b * a.sm_sb + p.s * a.sm_ss;
+}
+
+__device__ __forceinline__ Pos pos_of(int row, const SplitArgs& a) {
+  Pos p;
+  p.val = row < a.rows;
+  const uint32_t r = p.val ? static_cast<uint32_t>(row) : 0u;
+  const uint32_t q = r / static_cast<uint32_t>(a.S);
+  p.b = static_cast<int>(q);
+  p.s = static_cast<int>(r - q * static_cast<uint32_t>(a.S));
+  pos_offsets(p, a);
+  return p;
+}
+
+// The next row of a block: offsets advanced by one position (no division).
+__device__ __forceinline__ Pos pos_next(Pos p, int row_next, const SplitArgs& a) {
+  if (row_next >= a.rows) return pos_of(row_next, a);
+  p.val = true;
+  if (++p.s == a.S) {
+    p.s = 0, ++p.b;
+    pos_offsets(p, a);
+  } else {
+    p.oq += a.q_ss, p.og += a.gi_ss, p.oa += a.an_ss, p.os += a.sm_ss;
+  }
+  return p;
+}
+
+// One position's inputs for this lane: runs 0 and 1 as two 16-bit pairs each (words 0-1, 2-3).
+struct Buf {
+  uint32_t q[4], k[4], x[4], y[4];
+  uint32_t an[2];
+  float sc, ga, dqk;
+};
+
+// This lane's base pointers: its head and columns folded in once.
+struct LanePtrs {
+  const unsigned char *q, *k, *dqi, *dki;
+  const float *ang, *sc, *ga, *dqk;
+};
+
+template <int N>
+__device__ __forceinline__ void load_unit(const LanePtrs& l, const Pos& p, Buf& u) {
+  constexpr int kH = N / 2 * 2;  // byte offset of run 1
+  ld_global_words<8>(l.q + p.oq * 2, u.q);
+  ld_global_words<8>(l.q + p.oq * 2 + kH, u.q + 2);
+  ld_global_words<8>(l.k + p.oq * 2, u.k);
+  ld_global_words<8>(l.k + p.oq * 2 + kH, u.k + 2);
+  ld_global_words<8>(l.dqi + p.og * 2, u.x);
+  ld_global_words<8>(l.dqi + p.og * 2 + kH, u.x + 2);
+  ld_global_words<8>(l.dki + p.og * 2, u.y);
+  ld_global_words<8>(l.dki + p.og * 2 + kH, u.y + 2);
+  ld_global_words<8>(l.ang + p.oa, u.an);
+  u.sc = __ldg(l.sc + p.os);
+  u.ga = __ldg(l.ga + p.os);
+  u.dqk = __ldg(l.dqk + p.os);
+}
+
+template <class Tg, int N>
+__global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant__ SplitArgs a) {
+  using E = Elem<Tg>;
+  constexpr int LPR = N / 8, HR = 32 / LPR;
+  constexpr int N4 = N / 4;  // float4 per (position, q|k) row of the head terms
+  extern __shared__ __align__(16) float smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int WH = a.WH, HG = a.HG, PB = a.PB;
+  const int wh = warp % WH, wr = warp / WH;
+  const int hr = lane / LPR, col = lane % LPR;
+  const int g = blockIdx.y;
+  const int head = wh * HR + hr;  // within the group
+  const int h = g * HG + head;
+  LanePtrs lp;
+  lp.q = a.q + (g * a.q_sg + 4 * col) * 2;
+  lp.k = a.k + (g * a.q_sg + 4 * col) * 2;
+  lp.dqi = a.dqi + (static_cast<int64_t>(h) * a.gi_sh + 4 * col) * 2;
+  lp.dki = a.dki + (static_cast<int64_t>(h) * a.gi_sh + 4 * col) * 2;
+  lp.ang = a.ang + static_cast<int64_t>(h) * a.an_sh + 2 * col;
+  lp.sc = a.sc + static_cast<int64_t>(h) * a.sm_sh;
+  lp.ga = a.ga + static_cast<int64_t>(h) * a.sm_sh;
+  lp.dqk = a.dqk + static_cast<int64_t>(h) * a.sm_sh;
+
+  // This lane's bias columns (float32; any dtype and stride).
+  float bq[8], bk[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const int64_t n = e < 4 ? 4 * col + e : N / 2 + 4 * col + e - 4;
+    bq[e] = load_rt(a.qb + (h * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
+    bk[e] = load_rt(a.kb + (h * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb);
+  }
+  float sq[8], sk[8];  // this lane's q/k bias gradient terms, summed over all its positions
+#pragma unroll
+  for (int e = 0; e < 8; ++e) sq[e] = sk[e] = 0.f;
+
+  // One position: everything but the dq/dk head sum, which `dqdk` receives (dq run 0, run 1, dk
+  // run 0, run 1).
+  auto compute = [&](const Pos& p, const Buf& u, float* dqdk) {
+    float qf[8], kf[8], x[8], y[8];
+    E::template unpack<8>(u.q, qf);
+    E::template unpack<8>(u.k, kf);
+    E::template unpack<8>(u.x, x);
+    E::template unpack<8>(u.y, y);
+    const float scl = u.sc, gd = u.dqk * u.ga;
+    float dsc = 0.f, qkd = 0.f, dan[2], sn[2], cs[2];
+    float* dqp = dqdk;
+    float* dkp = dqdk + 8;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float qb0 = qf[2 * i] + bq[2 * i], qb1 = qf[2 * i + 1] + bq[2 * i + 1];
+      const float kb0 = kf[2 * i] + bk[2 * i], kb1 = kf[2 * i + 1] + bk[2 * i + 1];
+      float dqr0 = x[2 * i], dqr1 = x[2 * i + 1], dkr0 = y[2 * i], dkr1 = y[2 * i + 1];
+      if (i < 2) {  // run 0: rotated pairs 2c + i
+        fast_sincos(__uint_as_float(u.an[i]), &sn[i], &cs[i]);
+        dqr0 = fmaf(x[2 * i], cs[i], x[2 * i + 1] * sn[i]);
+        dqr1 = fmaf(x[2 * i + 1], cs[i], -(x[2 * i] * sn[i]));
+        dkr0 = fmaf(y[2 * i], cs[i], y[2 * i + 1] * sn[i]);
+        dkr1 = fmaf(y[2 * i + 1], cs[i], -(y[2 * i] * sn[i]));
+      }
+      dsc = fmaf(dkr0, kb0, fmaf(dkr1, kb1, dsc));
+      qkd = fmaf(qb0, kb0, fmaf(qb1, kb1, qkd));
+      const float k0 = scl * dkr0, k1 = scl * dkr1;
+      dqp[2 * i] = fmaf(gd, kb0, dqr0);
+      dqp[2 * i + 1] = fmaf(gd, kb1, dqr1);
+      dkp[2 * i] = fmaf(gd, qb0, k0);
+      dkp[2 * i + 1] = fmaf(gd, qb1, k1);
+      if (i < 2) dan[i] = fmaf(qb0, dqr1, -(qb1 * dqr0)) + fmaf(kb0, k1, -(kb1 * k0));
+    }
+    // d_ok_state enters dk (and so dk_bias and dangles) at a sequence's last position.
+    if (a.has_dok && p.val) {
+      int dseq = -1;
+      if (!a.varlen) {
+        if (p.s == a.S - 1) dseq = p.b;
+      } else {
+        const int i = a.cu.seq_of(p.s);
+        if (a.cu.at(i + 1) - 1 == p.s) dseq = i;
+      }
+      if (dseq >= 0) {
+        const int dsz = dt_size(a.t_dok);
+        const unsigned char* po = a.dok + (static_cast<int64_t>(dseq) * a.dok_sq + h * a.dok_sh) * dsz;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int64_t n = i < 2 ? 4 * col + 2 * i : N / 2 + 4 * col + 2 * (i - 2);
+          const float o0 = load_rt(po + n * a.dok_sn * dsz, a.t_dok);
+          const float o1 = load_rt(po + (n + 1) * a.dok_sn * dsz, a.t_dok);
+          float or0 = o0, or1 = o1;
+          if (i < 2) {
+            or0 = fmaf(o0, cs[i], o1 * sn[i]);
+            or1 = fmaf(o1, cs[i], -(o0 * sn[i]));
+            const float kb0 = kf[2 * i] + bk[2 * i], kb1 = kf[2 * i + 1] + bk[2 * i + 1];
+            dan[i] += fmaf(kb0, or1, -(kb1 * or0));
+          }
+          dkp[2 * i] += or0;
+          dkp[2 * i + 1] += or1;
+        }
+      }
+    }
+    // dscale and the q.k dot of dgamma: one transposed butterfly over the row; lane 0 of the row
+    // ends with dscale, lane LPR/2 with the dot.
+    float rv[2] = {dsc, qkd};
+    row_reduce_t<2, LPR / 2>(rv, col);
+    if (p.val) {
+      const int os = p.os + h * a.sm_sh;
+      if (col == 0) a.dsc[os] = rv[0];
+      if (col == LPR / 2) a.dga[os] = u.dqk * rv[0];
+      *reinterpret_cast<float2*>(a.dang + (p.oa + h * a.an_sh + 2 * col)) =
+          make_float2(dan[0], dan[1]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        sq[e] += dqp[e];
+        sk[e] += dkp[e];
+      }
+    }
+  };
+
+  // dq, dk of a position held by a warp with all heads of the group: sums across its HR rows
+  // (xor butterfly: every lane ends with the same sums), stored by row 0.
+  auto store_whole = [&](const Pos& p, float* v) {
+#pragma unroll
+    for (int m = LPR; m < 32; m <<= 1)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) v[e] += __shfl_xor_sync(0xffffffffu, v[e], m);
+    if (hr == 0 && p.val) {
+      const int oo = (p.b * a.go_sb + p.s * a.go_ss + g * a.go_sg + 4 * col) * 2;  // bytes
+      uint32_t w[8];
+      E::template pack<16>(v, w);  // dq run 0, run 1, dk run 0, run 1
+      st_global_words<8>(a.dq + oo, w);
+      st_global_words<8>(a.dq + oo + N, w + 2);
+      st_global_words<8>(a.dk + oo, w + 4);
+      st_global_words<8>(a.dk + oo + N, w + 6);
+    }
+  };
+  // This head's dq/dk terms of block position pb into shared memory, [pb][q|k][head][N]: the heads
+  // of one element are N floats apart (a compile-time stride for the summing loop).
+  auto stage_terms = [&](int pb, const float* v) {
+    float4* r = reinterpret_cast<float4*>(smem) + (static_cast<size_t>(pb) * 2 * HG + head) * N4;
+    float4* rk = r + static_cast<size_t>(HG) * N4;
+    r[col] = make_float4(v[0], v[1], v[2], v[3]);
+    r[N4 / 2 + col] = make_float4(v[4], v[5], v[6], v[7]);
+    rk[col] = make_float4(v[8], v[9], v[10], v[11]);
+    rk[N4 / 2 + col] = make_float4(v[12], v[13], v[14], v[15]);
+  };
+
+  const int stride = static_cast<int>(gridDim.x);
+  int blk = blockIdx.x;
+  Buf A, B;
+  Pos P = pos_of(blk * PB + wr * kUnits, a);
+  load_unit<N>(lp, P, A);
+  for (; blk < a.nblk; blk += stride) {
+    const int row0 = blk * PB + wr * kUnits;
+    // Unit i of the block: prefetch unit i+1 (or the next block's first) into `fill`, compute
+    // unit i from `use`.
+    auto step = [&](int i, const Buf& use, Buf& fill) {
+      Pos Pn;
+      if (i + 1 < kUnits) {
+        Pn = pos_next(P, row0 + i + 1, a);
+      } else {
+        Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a);
+      }
+      load_unit<N>(lp, Pn, fill);
+      float v[16];
+      compute(P, use, v);
+      if (WH == 1)
+        store_whole(P, v);
+      else
+        stage_terms(wr * kUnits + i, v);
+      P = Pn;
+    };
+    static_assert(kUnits % 2 == 0, "the pipeline alternates two buffers");
+#pragma unroll
+    for (int i = 0; i < kUnits; i += 2) {
+      step(i, A, B);
+      step(i + 1, B, A);
+    }
+    if (WH > 1) {
+      // dq/dk of the block: the HG head terms of each element summed in head order; two
+      // elements per task so that every thread has work.
+      __syncthreads();
+      const int tasks = PB * N;  // (position, q|k, element pair)
+      for (int t = threadIdx.x; t < tasks; t += blockDim.x) {
+        const int c2 = t % (N / 2), qk = (t / (N / 2)) & 1, pb = t / N;
+        const int row = blk * PB + pb;
+        const float2* src =
+            reinterpret_cast<const float2*>(smem) + static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
+        float2 s = src[0];
+#pragma unroll 8
+        for (int hh = 1; hh < HG; ++hh) {
+          const float2 u = src[hh * (N / 2)];
+          s.x += u.x, s.y += u.y;
+        }
+        if (row < a.rows) {
+          const Pos q = pos_of(row, a);
+          const float v2[2] = {s.x, s.y};
+          uint32_t w;
+          E::template pack<2>(v2, &w);
+          unsigned char* base = qk ? a.dk : a.dq;
+          *reinterpret_cast<uint32_t*>(base + (q.b * a.go_sb + q.s * a.go_ss + g * a.go_sg + 2 * c2) * 2) = w;
+        }
+      }
+      __syncthreads();
+    }
+  }
+
+  // This CTA's bias partial: the WR warps of each head summed in order.
+  __syncthreads();
+  float* fin = smem;  // [WR][HG][q|k][N]
+  {
+    float* r = fin + (static_cast<size_t>(wr) * HG + head) * 2 * N;
+    *reinterpret_cast<float4*>(r + 4 * col) = make_float4(sq[0], sq[1], sq[2], sq[3]);
+    *reinterpret_cast<float4*>(r + N / 2 + 4 * col) = make_float4(sq[4], sq[5], sq[6], sq[7]);
+    *reinterpret_cast<float4*>(r + N + 4 * col) = make_float4(sk[0], sk[1], sk[2], sk[3]);
+    *reinterpret_cast<float4*>(r + N + N / 2 + 4 * col) = make_float4(sk[4], sk[5], sk[6], sk[7]);
+  }
+  __syncthreads();
+  float* out = a.ws + (static_cast<size_t>(g) * gridDim.x + blockIdx.x) * HG * 2 * N;
+  for (int i = threadIdx.x; i < HG * 2 * N; i += blockDim.x) {
+    float s = fin[i];
+    for (int w = 1; w < a.WR; ++w) s += fin[static_cast<size_t>(w) * HG * 2 * N + i];
+    out[i] = s;
+  }
+}
+
+template <class Tg, int N>
+void launch(const SplitArgs& a, dim3 grid, int threads, size_t smem, cudaStream_t st,
+            int device) {
+  ensure_dynamic_smem<dqk_split_kernel<Tg, N>>(device, smem);
+  dqk_split_kernel<Tg, N><<<grid, threads, smem, st>>>(a);
+  check_launch("compute_dqktheta: split-run kernel launch");
+}
+
+template <class Tg>
+void launch_n(int N, const SplitArgs& a, dim3 grid, int threads, size_t smem, cudaStream_t st,
+              int device) {
+  switch (N) {
+    case 32: return launch<Tg, 32>(a, grid, threads, smem, st, device);
+    case 64: return launch<Tg, 64>(a, grid, threads, smem, st, device);
+    case 128: return launch<Tg, 128>(a, grid, threads, smem, st, device);
+    default: return launch<Tg, 256>(a, grid, threads, smem, st, device);
+  }
+}
+
+}  // namespace
+
+int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
+  // MAMBA3_DQK_SPLIT=0 turns this kernel off (A/B measurements against the lean kernel).
+  static const bool kOn = [] {
+    const char* v = std::getenv("MAMBA3_DQK_SPLIT");
+    return !(v && v[0] == '0');
+  }();
+  const int64_t N = p.N, HG = p.H / p.G;
+  if (!kOn || (N != 32 && N != 64 && N != 128 && N != 256) || 4 * p.A != N) return 0;
+  const DType tg = p.dq_in.dtype;
+  if (tg != DType::BF16 && tg != DType::F16) return 0;
+  for (const TensorView* v : {&p.q, &p.k, &p.dk_in, &p.dq, &p.dk})
+    if (v->dtype != tg) return 0;
+  for (const TensorView* v : {&p.angles, &p.dangles, &p.scale, &p.gamma, &p.dqk, &p.dscale,
+                              &p.dgamma})
+    if (v->dtype != DType::F32) return 0;
+  if (p.B * p.S >= (int64_t(1) << 31)) return 0;
+  auto same3 = [](const TensorView& x, const TensorView& y) {
+    for (int d = 0; d < 3; ++d)
+      if (x.strides[d] != y.strides[d]) return false;
+    return true;
+  };
+  if (!same3(p.q, p.k) || !same3(p.dq_in, p.dk_in) || !same3(p.dq, p.dk) ||
+      !same3(p.angles, p.dangles))
+    return 0;
+  for (const TensorView* v : {&p.gamma, &p.dqk, &p.dscale, &p.dgamma})
+    if (!same3(p.scale, *v)) return 0;
+  for (const TensorView* v : {&p.q, &p.k, &p.dq_in, &p.dk_in, &p.dq, &p.dk, &p.angles, &p.dangles})
+    if (!rows_vectorizable(*v, 8) || !offsets_fit_int32(*v)) return 0;
+  for (const TensorView* v : {&p.scale, &p.gamma, &p.dqk, &p.dscale, &p.dgamma})
+    if (!offsets_fit_int32(*v)) return 0;
+
+  // Warps: WH cover the group's heads (HR per warp), WR split the positions. A warp with all
+  // heads (WH = 1) needs no shared memory for dq/dk: 8 warps, several CTAs per SM; otherwise 16
+  // warps share the head terms of PB positions in shared memory (one CTA per SM).
+  const int HR = static_cast<int>(256 / N);
+  if (HG % HR != 0) return 0;
+  const int WH = static_cast<int>(HG / HR);
+  if (WH > 16 || (16 % WH) != 0) return 0;
+  const int W = WH == 1 ? 8 : 16;
+  const int WR = W / WH;
+  const int PB = WR * kUnits;
+  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N * 4 : 0;
+  const size_t fin = static_cast<size_t>(WR) * HG * 2 * N * 4;
+  const size_t smem = std::max(terms, fin);
+  const DeviceProps& dp = device_props(p.device_id);
+  const size_t optin = static_cast<size_t>(std::max(0, dp.smem_optin));
+  const size_t per_sm = static_cast<size_t>(std::max(0, dp.smem_per_sm));
+  const size_t rsv = static_cast<size_t>(std::max(0, dp.smem_reserved));
+  if (smem > optin || smem + rsv > per_sm) return 0;
+  // CTAs per SM: the kernel's registers allow one 16-warp or two 8-warp CTAs (launch bounds 512).
+  const int occ = static_cast<int>(std::min<size_t>(
+      {static_cast<size_t>(W == 16 ? 1 : kMaxCtasPerSm), per_sm / (smem + rsv)}));
+  const int64_t rows = p.B * p.S;
+  const int64_t nblk = (rows + PB - 1) / PB;
+  const int ctas = static_cast<int>(
+      std::min<int64_t>(ctas_per_group_bound(p.G, sms, rows, occ), nblk));
+
+  SplitArgs a;
+  std::memset(&a, 0, sizeof(a));
+  auto i32 = [](int64_t x) { return static_cast<int>(x); };
+  auto cptr = [](const TensorView& v) { return static_cast<const unsigned char*>(v.data); };
+  auto mptr = [](const TensorView& v) { return static_cast<unsigned char*>(v.data); };
+  a.rows = i32(rows), a.S = i32(p.S), a.HG = i32(HG), a.WH = WH, a.WR = WR, a.PB = PB;
+  a.nblk = i32(nblk);
+  a.q = cptr(p.q), a.k = cptr(p.k);
+  a.q_sb = i32(p.q.strides[0]), a.q_ss = i32(p.q.strides[1]), a.q_sg = i32(p.q.strides[2]);
+  a.dqi = cptr(p.dq_in), a.dki = cptr(p.dk_in);
+  a.gi_sb = i32(p.dq_in.strides[0]), a.gi_ss = i32(p.dq_in.strides[1]);
+  a.gi_sh = i32(p.dq_in.strides[2]);
+  a.dq = mptr(p.dq), a.dk = mptr(p.dk);
+  a.go_sb = i32(p.dq.strides[0]), a.go_ss = i32(p.dq.strides[1]), a.go_sg = i32(p.dq.strides[2]);
+  a.ang = static_cast<const float*>(p.angles.data), a.dang = static_cast<float*>(p.dangles.data);
+  a.an_sb = i32(p.angles.strides[0]), a.an_ss = i32(p.angles.strides[1]);
+  a.an_sh = i32(p.angles.strides[2]);
+  a.sc = static_cast<const float*>(p.scale.data), a.ga = static_cast<const float*>(p.gamma.data);
+  a.dqk = static_cast<const float*>(p.dqk.data);
+  a.dsc = static_cast<float*>(p.dscale.data), a.dga = static_cast<float*>(p.dgamma.data);
+  a.sm_sb = i32(p.scale.strides[0]), a.sm_sh = i32(p.scale.strides[1]);
+  a.sm_ss = i32(p.scale.strides[2]);
+  a.qb = cptr(p.q_bias), a.kb = cptr(p.k_bias);
+  a.t_qb = static_cast<int>(p.q_bias.dtype), a.t_kb = static_cast<int>(p.k_bias.dtype);
+  a.qb_sh = p.q_bias.strides[0], a.qb_sn = p.q_bias.strides[1];
+  a.kb_sh = p.k_bias.strides[0], a.kb_sn = p.k_bias.strides[1];
+  a.has_dok = p.has_dok;
+  if (p.has_dok) {
+    a.dok = cptr(p.d_ok_state), a.t_dok = static_cast<int>(p.d_ok_state.dtype);
+    a.dok_sq = p.d_ok_state.strides[0], a.dok_sh = p.d_ok_state.strides[1];
+    a.dok_sn = p.d_ok_state.strides[2];
+  }
+  a.varlen = p.varlen;
+  a.cu = make_cu_seqlens(p.cu_seqlens);
+  a.ws = ws;
+
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.G));
+  if (tg == DType::BF16)
+    launch_n<__nv_bfloat16>(i32(N), a, grid, W * 32, smem, st, p.device_id);
+  else
+    launch_n<__half>(i32(N), a, grid, W * 32, smem, st, p.device_id);
+  return ctas;
+}
+
+}  // namespace mamba3::cuda::dqk
