@@ -1,8 +1,10 @@
 // CUDA backend of mamba3_mimo_bwd_fwd (seed 003): host entry points and kernel launches. The
 // design (segmented chunk scan, five kernels, shared-memory tiles) is described in
 // mimo_bwd_fwd_kernels.cuh, which holds the kernel bodies and the launch plan.
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "core/error.hpp"
@@ -33,36 +35,43 @@ __global__ void __launch_bounds__(kNT, 1) mimo_chunk_pass_kernel(const __grid_co
   mimo::k3_body<TC>(a, reinterpret_cast<float*>(smem4));
 }
 
-// The lean bf16 path (mimo_bwd_fwd_lean.cuh), one instantiation per state-tile count.
-template <int ST>
-__global__ void __launch_bounds__(kNT, 1) mimo_lean_local_scan_kernel(const __grid_constant__ MbArgs a) {
+// The lean bf16 path (mimo_bwd_fwd_lean.cuh), one instantiation per thread count (256, 512)
+// and state-tile count: every pair is reachable (ST <= 8 with either count).
+template <int NT, int ST>
+__global__ void __launch_bounds__(NT, 1)
+    mimo_lean_local_scan_kernel(const __grid_constant__ MbArgs a) {
   extern __shared__ float4 smem4[];
-  mimo::k1_lean_body<ST>(a, reinterpret_cast<float*>(smem4));
+  mimo::k1_lean_body<NT, ST>(a, reinterpret_cast<float*>(smem4));
 }
 
-template <int ST>
-__global__ void __launch_bounds__(kNT, 1) mimo_lean_chunk_pass_kernel(const __grid_constant__ MbArgs a) {
+template <int NT, int ST>
+__global__ void __launch_bounds__(NT, 1)
+    mimo_lean_chunk_pass_kernel(const __grid_constant__ MbArgs a) {
   extern __shared__ float4 smem4[];
-  mimo::k3_lean_body<ST>(a, reinterpret_cast<float*>(smem4));
+  mimo::k3_lean_body<NT, ST>(a, reinterpret_cast<float*>(smem4));
 }
 
 using LeanKernel = void (*)(MbArgs);
-LeanKernel lean_k1(int st) {
+template <int NT>
+LeanKernel lean_k1_nt(int st) {
   switch (st) {
-    case 1: return mimo_lean_local_scan_kernel<1>;
-    case 2: return mimo_lean_local_scan_kernel<2>;
-    case 4: return mimo_lean_local_scan_kernel<4>;
-    default: return mimo_lean_local_scan_kernel<8>;
+    case 1: return mimo_lean_local_scan_kernel<NT, 1>;
+    case 2: return mimo_lean_local_scan_kernel<NT, 2>;
+    case 4: return mimo_lean_local_scan_kernel<NT, 4>;
+    default: return mimo_lean_local_scan_kernel<NT, 8>;
   }
 }
-LeanKernel lean_k3(int st) {
+template <int NT>
+LeanKernel lean_k3_nt(int st) {
   switch (st) {
-    case 1: return mimo_lean_chunk_pass_kernel<1>;
-    case 2: return mimo_lean_chunk_pass_kernel<2>;
-    case 4: return mimo_lean_chunk_pass_kernel<4>;
-    default: return mimo_lean_chunk_pass_kernel<8>;
+    case 1: return mimo_lean_chunk_pass_kernel<NT, 1>;
+    case 2: return mimo_lean_chunk_pass_kernel<NT, 2>;
+    case 4: return mimo_lean_chunk_pass_kernel<NT, 4>;
+    default: return mimo_lean_chunk_pass_kernel<NT, 8>;
   }
 }
+LeanKernel lean_k1(int nt, int st) { return nt == 256 ? lean_k1_nt<256>(st) : lean_k1_nt<512>(st); }
+LeanKernel lean_k3(int nt, int st) { return nt == 256 ? lean_k3_nt<256>(st) : lean_k3_nt<512>(st); }
 
 __global__ void __launch_bounds__(kNT) mimo_reduce_partials_kernel(const __grid_constant__ MbArgs a) {
   mimo::k4_body(a);
@@ -86,12 +95,26 @@ mimo::MbDevice device_info(int device) {
   return d;
 }
 
+// MAMBA3_MIMO_LEAN_NT=256 or 512: the lean kernels' preferred thread count instead of the
+// plan's rule (A/B measurements). Read once, so that the workspace size and the run agree.
+const std::string& lean_nt_env() {
+  static const std::string v = [] {
+    const char* s = std::getenv("MAMBA3_MIMO_LEAN_NT");
+    return std::string(s ? s : "");
+  }();
+  return v;
+}
+
 mimo::MbPlan plan_for(const MimoBwdFwdParams& p) {
   // Every index the kernels form in 32 bits stays far below INT_MAX under these bounds.
   MAMBA3_CHECK_ARG(p.S <= (int64_t{1} << 30) && p.B * p.H <= (int64_t{1} << 24),
                    "mimo_bwd_fwd: B*H=", p.B * p.H, " or S=", p.S,
                    " exceeds the CUDA backend's index range");
-  const mimo::MbPlan pl = mimo::make_mimo_plan(mimo::mb_problem(p), device_info(p.device_id));
+  const int lean_nt = mimo::parse_lean_nt(lean_nt_env().c_str());
+  MAMBA3_CHECK_ARG(lean_nt >= 0, "MAMBA3_MIMO_LEAN_NT=", lean_nt_env(),
+                   ": expected 256 or 512 (or unset)");
+  const mimo::MbPlan pl =
+      mimo::make_mimo_plan(mimo::mb_problem(p), device_info(p.device_id), lean_nt);
   if (!pl.ok)
     MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, "mimo_bwd_fwd: no shared-memory tiling fits this device for N=",
                 p.N, ", P=", p.P, ", R=", p.R, ", C=", p.C);
@@ -131,21 +154,21 @@ void mimo_bwd_fwd(const MimoBwdFwdParams& p, void* workspace, size_t workspace_b
 
   const int64_t BH = p.B * p.H;
   if (pl.nseg > 1) {
-    auto k1 = pl.lean ? lean_k1(pl.lean)
+    auto k1 = pl.lean ? lean_k1(pl.nt, pl.lean)
                       : pl.tc1 ? mimo_local_scan_kernel<true> : mimo_local_scan_kernel<false>;
     set_smem(reinterpret_cast<const void*>(k1), p.device_id, pl.smem1,
              "mimo_bwd_fwd: cudaFuncSetAttribute(local scan)");
-    k1<<<static_cast<unsigned>(BH * pl.npt * pl.nsub), kNT, pl.smem1, st>>>(a);
+    k1<<<static_cast<unsigned>(BH * pl.npt * pl.nsub), pl.nt, pl.smem1, st>>>(a);
     check_launch("mimo_bwd_fwd: local scan kernel");
     const int64_t per_bh = (p.N * p.P + kNT - 1) / kNT;
     mimo_segment_states_kernel<<<static_cast<unsigned>(BH * per_bh), kNT, 0, st>>>(a);
     check_launch("mimo_bwd_fwd: segment states kernel");
   }
-  auto k3 = pl.lean ? lean_k3(pl.lean)
+  auto k3 = pl.lean ? lean_k3(pl.nt, pl.lean)
                     : pl.tc ? mimo_chunk_pass_kernel<true> : mimo_chunk_pass_kernel<false>;
   set_smem(reinterpret_cast<const void*>(k3), p.device_id, pl.smem3,
            "mimo_bwd_fwd: cudaFuncSetAttribute(chunk pass)");
-  k3<<<static_cast<unsigned>(BH * pl.npt * pl.nseg), kNT, pl.smem3, st>>>(a);
+  k3<<<static_cast<unsigned>(BH * pl.npt * pl.nseg), pl.nt, pl.smem3, st>>>(a);
   check_launch("mimo_bwd_fwd: chunk pass kernel");
   if (pl.defer_epi) {
     set_smem(reinterpret_cast<const void*>(mimo_deferred_epilogue_kernel), p.device_id, pl.smem5,

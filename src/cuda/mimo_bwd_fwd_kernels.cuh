@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -55,7 +56,9 @@ namespace mamba3::cuda::mimo {
 // reference shape against 8 warps).
 #define MAMBA3_MIMO_NT 512
 #endif
-constexpr int kNT = MAMBA3_MIMO_NT;  // threads per CTA of every kernel
+// Threads per CTA of the general kernels and of K2 / K4. The lean kernels take theirs as a
+// template parameter NT (256 or 512), chosen per problem by the plan (MbPlan::nt).
+constexpr int kNT = MAMBA3_MIMO_NT;
 
 // ------------------------------------------------------------------ primitives
 
@@ -361,11 +364,13 @@ MB_DEV void chunk_scalars(const MbArgs& a, const MbLayout& L, float* sm, const M
 }
 
 // Intra-chunk weights W[t][s] = tscale_s exp(segsum[t, s]) for s < t (0 elsewhere); a partial
-// chunk takes segsum from da_cs (the tail contract). Needs chunk_scalars.
+// chunk takes segsum from da_cs (the tail contract). Needs chunk_scalars. NT: threads per CTA
+// (here and in the other helpers the lean kernels share).
+template <int NT = kNT>
 MB_DEV void chunk_weights(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   const int s0 = c * a.C;
   const bool partial = a.S - s0 < a.C;
-  for (int e = mb_tid(); e < a.C * a.C; e += kNT) {
+  for (int e = mb_tid(); e < a.C * a.C; e += NT) {
     const int t = e / a.C, s = e - t * a.C;
     float w = 0.f;
     if (s < t) {
@@ -938,10 +943,11 @@ MB_DEV void epi_partials(const MbArgs& a, const MbLayout& L, float* sm, const Mb
 }
 
 // Writes this CTA's partial sums (its columns) to ws_part[bhi][seg].
+template <int NT = kNT>
 MB_DEV void write_partials(const MbArgs& a, const MbLayout& L, const float* sm, const MbCta& k,
                            int seg, int Ppt) {
   const int R = a.R, Pv = k.Pv, RP = R * Ppt;
-  for (int q = mb_tid(); q < R * Pv; q += kNT) {
+  for (int q = mb_tid(); q < R * Pv; q += NT) {
     const int r = q / Pv, p = q - r * Pv;
     const int slot = r * Ppt + p;
     for (int kind = 0; kind < kParts; ++kind) {
@@ -995,22 +1001,23 @@ MB_DEV void zero_smem(float* sm, int total) {
 
 // Per-CTA constants: biases [R][Np], mimo_v / mimo_o / mimo_z [R][Ppt] (this CTA's columns),
 // norm weight [Ppt].
+template <int NT = kNT>
 MB_DEV void load_consts(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, bool q_too,
                         bool epi_too, int Ppt) {
   const int R = a.R, N = a.N, Np = a.Np, Pv = k.Pv;
-  for (int e = mb_tid(); e < R * N; e += kNT) {
+  for (int e = mb_tid(); e < R * N; e += NT) {
     const int r = e / N, n = e - r * N;
     sm[L.kb + r * Np + n] = ld3(a.k_bias, k.h, r, n);
     if (q_too) sm[L.qb + r * Np + n] = ld3(a.q_bias, k.h, r, n);
   }
-  for (int e = mb_tid(); e < R * Pv; e += kNT) {
+  for (int e = mb_tid(); e < R * Pv; e += NT) {
     const int r = e / Pv, p = e - r * Pv;
     if (L.mv >= 0) sm[L.mv + r * Ppt + p] = ld3(a.mimo_v, k.h, r, k.p0 + p);
     if (epi_too && a.reduce_o) sm[L.mo + r * Ppt + p] = ld3(a.mimo_o, k.h, r, k.p0 + p);
     if (epi_too && a.has_z) sm[L.mz + r * Ppt + p] = ld3(a.mimo_z, k.h, r, k.p0 + p);
   }
   if (epi_too && a.has_norm)
-    for (int p = mb_tid(); p < Pv; p += kNT) sm[L.nw + p] = ld2(a.norm_w, k.h, k.p0 + p);
+    for (int p = mb_tid(); p < Pv; p += NT) sm[L.nw + p] = ld2(a.norm_w, k.h, k.p0 + p);
 }
 
 // K1: local recurrence of one sub-segment from a zero state.
@@ -1322,10 +1329,10 @@ inline MbLayout layout_k5(int Np, int Pp, int R, int Cb) {
   return l;
 }
 
-// Shared-memory layout of the lean kernels (floats). The bf16 planes take the general layout's
-// tile fields: QhT -> Qh, KhT -> Kh, Khw -> Xw, ScT -> Sc.
+// Shared-memory layout of the lean kernels (floats) for nt threads per CTA. The bf16 planes take
+// the general layout's tile fields: QhT -> Qh, KhT -> Kh, Khw -> Xw, ScT -> Sc.
 inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bool angles,
-                            bool full) {
+                            bool full, int nt) {
   MbLayout l;
   const int T = C * R;
   int off = 0;
@@ -1363,11 +1370,11 @@ inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bo
     l.ds = take((reduce_o ? C : C * R) * P / 2);
     // Per-thread partial sums exchanged in the epilogue: the Qh and X planes (adjacent) are
     // dead by then.
-    l.ered = T * (N + 8) + T * (P + 8) >= 3 * R * kNT ? l.QhT : take(3 * R * kNT);
+    l.ered = T * (N + 8) + T * (P + 8) >= 3 * R * nt ? l.QhT : take(3 * R * nt);
     l.qb = take(R * N);
     l.rstd = take(T);
     l.rdot = take(T);
-    l.red = take(2 * std::max(kNT, T));
+    l.red = take(2 * std::max(nt, T));
     l.mo = take(R * P);
     l.mz = take(R * P);
     l.nw = take(P);
@@ -1377,10 +1384,11 @@ inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bo
   return l;
 }
 
-// State tiles per warp the lean kernels need (0: the lean path does not apply).
-inline int lean_state_tiles(int N, int P) {
-  const int tiles = (N / 16) * (P / 16);
-  const int per = (tiles + kNT / 32 - 1) / (kNT / 32);
+// State tiles per warp the lean kernels need with nt threads (0: more than 8, the lean path
+// does not apply).
+inline int lean_state_tiles(int N, int P, int nt) {
+  const int tiles = (N / 16) * (P / 16), warps = nt / 32;
+  const int per = (tiles + warps - 1) / warps;
   for (int st : {1, 2, 4, 8})
     if (per <= st) return st;
   return 0;
@@ -1399,6 +1407,7 @@ struct MbProblem {
 struct MbPlan {
   bool ok = false;
   int lean = 0;  // > 0: the lean bf16 kernels run K1 / K3, with this many state tiles per warp
+  int nt = kNT;  // threads per CTA of K1 / K3 (the lean kernels: 256 or 512)
   int Np, Cb, nb, Tb, LT, Cb1, nb1, Tb1, Cb5, Pt, npt, Ppt, Pp5, LP, LK, tc, tc1;
   int nseg, L3, nsub, L1, subs_per_seg, defer_epi;
   MbLayout l1, l3, l5;
@@ -1409,9 +1418,22 @@ struct MbPlan {
 
 inline size_t mb_align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
+// Threads per CTA the lean kernels try first. Measured on the H200 over the 11 benchmark shapes
+// (B=4 S=2048 H=16, bf16; docs/PERF.md): 256 wins only at N=16 (1.08 vs 1.84 ms at P=64 R=4 C=8,
+// where per-chunk latency dominates); every larger N is 17-45% slower with 256.
+inline int lean_nt_rule(int N) { return N <= 16 ? 256 : 512; }
+
+// The value of MAMBA3_MIMO_LEAN_NT (A/B measurements): 256 or 512, 0 when unset or empty, -1
+// when invalid.
+inline int parse_lean_nt(const char* s) {
+  if (s == nullptr || *s == '\0') return 0;
+  return std::strcmp(s, "256") == 0 ? 256 : std::strcmp(s, "512") == 0 ? 512 : -1;
+}
+
 // Picks tiles and segments. Costs are rough FLOP-time estimates; what matters is keeping every
-// SM busy while adding little K1 / K2 work.
-inline MbPlan make_mimo_plan(const MbProblem& pr, const MbDevice& dev) {
+// SM busy while adding little K1 / K2 work. lean_nt: the lean kernels' preferred thread count
+// (256 or 512; 0: lean_nt_rule); 512 is tried next when the lean path does not apply with it.
+inline MbPlan make_mimo_plan(const MbProblem& pr, const MbDevice& dev, int lean_nt = 0) {
   MbPlan pl;
   const int N = static_cast<int>(pr.N), P = static_cast<int>(pr.P), R = static_cast<int>(pr.R);
   const int C = static_cast<int>(pr.C);
@@ -1433,21 +1455,26 @@ inline MbPlan make_mimo_plan(const MbProblem& pr, const MbDevice& dev) {
   bool found = false;
   // The lean bf16 path (mimo_bwd_fwd_lean.cuh): whole chunks and the whole P in one CTA.
   {
-    const int T = C * R;
-    const int st = lean_state_tiles(N, P);
-    if (pr.lean_io && (R & (R - 1)) == 0 && kNT % P == 0 && (T == 16 || T == 32 || T == 64) && N % 16 == 0 && P % 16 == 0 && st > 0) {
-      const int A = static_cast<int>(pr.A);
+    const int T = C * R, A = static_cast<int>(pr.A);
+    const int pref = lean_nt ? lean_nt : lean_nt_rule(N);
+    const int nts[2] = {pref, 512};
+    for (int ni = 0; ni < (pref == 512 ? 1 : 2) && !found; ++ni) {
+      const int nt = nts[ni], st = lean_state_tiles(N, P, nt);
+      // nt % P: the epilogue gives each thread one column and every nt / P-th step.
+      if (!(pr.lean_io && (R & (R - 1)) == 0 && nt % P == 0 && (T == 16 || T == 32 || T == 64) &&
+            N % 16 == 0 && P % 16 == 0 && st > 0))
+        continue;
       // With a per-chunk table of the angles' cos / sin when it fits, else without.
       bool fits = false;
       MbLayout l3, l1;
       for (int with_ang = 1; with_ang >= 0 && !fits; --with_ang) {
-        l3 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, true);
-        l1 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, false);
+        l3 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, true, nt);
+        l1 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, false, nt);
         fits = static_cast<size_t>(l3.total) * 4 <= budget;
       }
       if (fits) {
         found = true;
-        pl.lean = st;
+        pl.lean = st, pl.nt = nt;
         pl.Pt = P, pl.Ppt = P, pl.LP = mb_stride(P), pl.Cb = C, pl.LT = T + 8, pl.l3 = l3;
         pl.defer_epi = 0;
         pl.Cb1 = C, pl.l1 = l1;

@@ -26,7 +26,8 @@
 
 namespace mamba3::cuda::mimo {
 
-constexpr int kLeanW = kNT / 32;  // warps per CTA
+// Every function here that depends on the thread count takes it as NT (256 or 512: the plan's
+// MbPlan::nt), not kNT; NT / 32 warps share the tile loops.
 
 // ------------------------------------------------------------------ bf16 pair primitives
 
@@ -184,10 +185,11 @@ MB_DEV float st_bf(const float* region, int e) {
 
 // cos / sin of chunk c's angles into the table ang[2][C][A] (rows past the sequence: 1 / 0).
 // Once per chunk and step, not once per rank and tile row.
+template <int NT>
 MB_DEV void lean_chunk_angles(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   if (L.ang < 0) return;  // no room for the table: lean_qk_task computes them itself
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), A = a.A, CA = a.C * A;
-  for (int e = mb_tid(); e < CA; e += kNT) {
+  for (int e = mb_tid(); e < CA; e += NT) {
     const int t = e / A, n = e - t * A;
     float sn = 0.f, cs = 1.f;
     if (t < Lc) sincosf(ld4(a.angles, k.b, s0 + t, k.h, n), &sn, &cs);
@@ -245,15 +247,16 @@ MB_DEV void lean_qk_task(const MbArgs& a, const MbLayout& L, float* sm, const Le
   }
 }
 
+template <int NT>
 MB_DEV void lean_build_qk(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                           const MbCta& k, int c, bool want_q) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
   const int hp = a.half / 2, T = a.Tb;
-  if (kNT % hp == 0) {  // each thread keeps its column pair: no division per task
-    const int n = 2 * (mb_tid() % hp), step = kNT / hp;
+  if (NT % hp == 0) {  // each thread keeps its column pair: no division per task
+    const int n = 2 * (mb_tid() % hp), step = NT / hp;
     for (int i = mb_tid() / hp; i < T; i += step) lean_qk_task(a, L, sm, tt, k, s0, Lc, i, n, want_q);
   } else {
-    for (int u = mb_tid(); u < T * hp; u += kNT)
+    for (int u = mb_tid(); u < T * hp; u += NT)
       lean_qk_task(a, L, sm, tt, k, s0, Lc, u / hp, 2 * (u % hp), want_q);
   }
 }
@@ -301,15 +304,16 @@ MB_DEV void lean_x_task(const MbArgs& a, const MbLayout& L, float* sm, const Lea
   }
 }
 
+template <int NT>
 MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                          const MbCta& k, int c, bool want_x) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
   const int pp = a.P / 2;
-  if (kNT % pp == 0) {
-    const int p = 2 * (mb_tid() % pp), step = kNT / pp;
+  if (NT % pp == 0) {
+    const int p = 2 * (mb_tid() % pp), step = NT / pp;
     for (int t = mb_tid() / pp; t < a.C; t += step) lean_x_task(a, L, sm, tt, k, s0, Lc, t, p, want_x);
   } else {
-    for (int u = mb_tid(); u < a.C * pp; u += kNT)
+    for (int u = mb_tid(); u < a.C * pp; u += NT)
       lean_x_task(a, L, sm, tt, k, s0, Lc, u / pp, 2 * (u % pp), want_x);
   }
 }
@@ -317,12 +321,13 @@ MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const Le
 // ------------------------------------------------------------------ products
 
 // Sc = mask(Qh Kh^T) (split, into tt.Sc) and the qk_dot output of chunk c.
+template <int NT>
 MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                         const MbCta& k, int c, float Dv) {
   const int T = a.Tb, R = a.R, nt = T / 16;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
-  for (int tile = mb_tid() >> 5; tile < nt * nt; tile += kLeanW) {
+  for (int tile = mb_tid() >> 5; tile < nt * nt; tile += NT / 32) {
     const int m0 = (tile / nt) * 16, n0 = (tile % nt) * 16;
     float acc[2][4];
     zero_acc(acc);
@@ -358,10 +363,11 @@ MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const Lea
 }
 
 // Y = diag(exp(da_cs)) Qh St + Sc X into the fp32 Y tile (row stride a.LP).
+template <int NT>
 MB_DEV void lean_y(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt) {
   const int T = a.Tb, ntp = a.P / 16, LP = a.LP;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
-  for (int tile = mb_tid() >> 5; tile < (T / 16) * ntp; tile += kLeanW) {
+  for (int tile = mb_tid() >> 5; tile < (T / 16) * ntp; tile += NT / 32) {
     const int m0 = (tile / ntp) * 16, n0 = (tile % ntp) * 16;
     float acc[2][4];
     zero_acc(acc);
@@ -400,12 +406,14 @@ MB_DEV LeanGate lean_gate(float z, float mz) {
   return g;
 }
 
-// RMSNorm row statistics from the Y tile and the staged z / dout (as epi_norm_stats).
+// RMSNorm row statistics from the Y tile and the staged z / dout (as epi_norm_stats). The
+// threads per row (tpr) follow NT, and so does the order of the row sums.
+template <int NT>
 MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int Lc) {
   const int R = a.R, T = a.Tb, P = a.P, LP = a.LP;
   int tpr = 1;  // threads per row
-  while (tpr * 2 * T <= kNT && tpr < 64) tpr *= 2;
-  for (int task = mb_tid(); task < T * tpr; task += kNT) {
+  while (tpr * 2 * T <= NT && tpr < 64) tpr *= 2;
+  for (int task = mb_tid(); task < T * tpr; task += NT) {
     const int i = task / tpr, sl = task - i * tpr;
     const int t = i >> a.lgR, r = i & (R - 1);
     float ss = 0.f, sd = 0.f;
@@ -423,7 +431,7 @@ MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int L
     sm[L.red + 2 * task + 1] = sd;
   }
   mb_sync();
-  for (int i = mb_tid(); i < T; i += kNT) {
+  for (int i = mb_tid(); i < T; i += NT) {
     float ss = 0.f, sd = 0.f;
     for (int sl = 0; sl < tpr; ++sl) {
       ss += sm[L.red + 2 * (i * tpr + sl)];
@@ -437,13 +445,15 @@ MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int L
 }
 
 // dz, dout_pre_rms and the chunk's contributions to dmimo_o / dmimo_z / dnorm_weight, in one
-// pass: thread (p, t0) handles column p of steps t0, t0 + kNT/P, ... (every rank), sums its
+// pass: thread (p, t0) handles column p of steps t0, t0 + NT/P, ... (every rank), sums its
 // steps' contributions per rank in registers, and the threads of one column then add theirs
-// to the Kahan partials in a fixed order (deterministic). Needs kNT % P == 0.
+// to the Kahan partials in a fixed order (deterministic; the grouping follows NT). Needs
+// NT % P == 0.
+template <int NT>
 MB_DEV void lean_epilogue(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
                           int Lc) {
   if (!a.reduce_o && !a.has_z) return;  // nothing to do without mimo_o and the gate
-  const int R = a.R, P = a.P, LP = a.LP, tstep = kNT / P;
+  const int R = a.R, P = a.P, LP = a.LP, tstep = NT / P;
   const int p = mb_tid() % P, t0 = mb_tid() / P;
   float so[kMaxR], sz[kMaxR], sn[kMaxR];
 #pragma unroll
@@ -493,7 +503,7 @@ MB_DEV void lean_epilogue(const MbArgs& a, const MbLayout& L, float* sm, const M
     ex[(2 * tstep + t0) * RP + r * P + p] = sn[r];
   }
   mb_sync();
-  for (int q = mb_tid(); q < RP; q += kNT) {
+  for (int q = mb_tid(); q < RP; q += NT) {
     for (int kind = 0; kind < kParts; ++kind) {
       float v = 0.f;
       for (int j = 0; j < tstep; ++j) v += ex[(kind * tstep + j) * RP + q];
@@ -503,19 +513,19 @@ MB_DEV void lean_epilogue(const MbArgs& a, const MbLayout& L, float* sm, const M
   }
 }
 
-// The register state: warp w owns the 16 x 16 tiles w, w + kLeanW, ... of St [N][P].
+// The register state: warp w owns the 16 x 16 tiles w, w + NT / 32, ... of St [N][P].
 template <int ST>
 struct LeanState {
   float acc[ST][2][4];
 };
 
 // St = e St + Kh^T Xw.
-template <int ST>
+template <int NT, int ST>
 MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST>& s, float e) {
   const int ntp = a.P / 16, ntiles = (a.N / 16) * ntp;
 #pragma unroll
   for (int j = 0; j < ST; ++j) {
-    const int tile = (mb_tid() >> 5) + j * kLeanW;
+    const int tile = (mb_tid() >> 5) + j * (NT / 32);
     if (tile >= ntiles) break;
 #pragma unroll
     for (int x = 0; x < 2; ++x)
@@ -527,13 +537,13 @@ MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST
 }
 
 // Applies f(n, p, v0, v1) to every owned state element pair (columns p, p + 1).
-template <int ST, class F>
+template <int NT, int ST, class F>
 MB_DEV void lean_state_foreach(const MbArgs& a, const LeanState<ST>& s, F f) {
   const int ntp = a.P / 16, ntiles = (a.N / 16) * ntp;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int j = 0; j < ST; ++j) {
-    const int tile = (mb_tid() >> 5) + j * kLeanW;
+    const int tile = (mb_tid() >> 5) + j * (NT / 32);
     if (tile >= ntiles) break;
     const int m0 = (tile / ntp) * 16, n0 = (tile % ntp) * 16;
 #pragma unroll
@@ -545,19 +555,19 @@ MB_DEV void lean_state_foreach(const MbArgs& a, const LeanState<ST>& s, F f) {
   }
 }
 
-template <int ST>
+template <int NT, int ST>
 MB_DEV void lean_state_to_planes(const MbArgs& a, const LeanTiles& tt, const LeanState<ST>& s) {
-  lean_state_foreach(a, s, [&](int n, int p, float v0, float v1) {
+  lean_state_foreach<NT>(a, s, [&](int n, int p, float v0, float v1) {
     st_split2(tt.St.h, tt.St.plane, n * tt.ldP + p, v0, v1);
   });
 }
 
 // states[b, h, c] = St (paired stores when the layout allows).
-template <int ST>
+template <int NT, int ST>
 MB_DEV void lean_write_states(const MbArgs& a, const MbCta& k, int c, const LeanState<ST>& s) {
   const MbView& o = a.states;
   const int64_t base = k.b * o.s[0] + k.h * o.s[1] + static_cast<int64_t>(c) * o.s[2];
-  lean_state_foreach(a, s, [&](int n, int p, float v0, float v1) {
+  lean_state_foreach<NT>(a, s, [&](int n, int p, float v0, float v1) {
     const int64_t off = base + n * o.s[3] + p;
     if (a.states_vec4) {
       if (o.dt == 2) {
@@ -578,7 +588,7 @@ MB_DEV void lean_write_states(const MbArgs& a, const MbCta& k, int c, const Lean
 // ------------------------------------------------------------------ kernel bodies
 
 // K1 (lean): local recurrence of one sub-segment from a zero state.
-template <int ST>
+template <int NT, int ST>
 MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   const MbLayout& L = a.l1;
   const int64_t bid = mb_bid();
@@ -588,7 +598,7 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   k.b = k.bhi / a.H, k.h = k.bhi % a.H, k.g = k.h / a.HG;
   k.p0 = 0, k.Pv = a.P;
   const LeanTiles tt = lean_tiles(a, L, sm);
-  load_consts(a, L, sm, k, false, false, a.Ppt);
+  load_consts<NT>(a, L, sm, k, false, false, a.Ppt);
   LeanState<ST> st;
 #pragma unroll
   for (int j = 0; j < ST; ++j) zero_acc(st.acc[j]);
@@ -597,24 +607,24 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   for (int c = c0; c < c1; ++c) {
     mb_sync();
     chunk_scalars(a, L, sm, k, c);
-    lean_chunk_angles(a, L, sm, k, c);
+    lean_chunk_angles<NT>(a, L, sm, k, c);
     mb_sync();
     dec += sm[L.misc + 1];
     const float e = sm[L.misc];
-    lean_build_qk(a, L, sm, tt, k, c, false);
-    lean_build_x(a, L, sm, tt, k, c, false);
+    lean_build_qk<NT>(a, L, sm, tt, k, c, false);
+    lean_build_x<NT>(a, L, sm, tt, k, c, false);
     mb_sync();
-    lean_state_update(a, tt, st, e);
+    lean_state_update<NT>(a, tt, st, e);
   }
   float* out = a.ws_local + (static_cast<int64_t>(k.bhi) * a.nsub + sub) * a.N * a.P;
-  lean_state_foreach(a, st, [&](int n, int p, float v0, float v1) {
+  lean_state_foreach<NT>(a, st, [&](int n, int p, float v0, float v1) {
     *reinterpret_cast<float2*>(out + static_cast<int64_t>(n) * a.P + p) = make_float2(v0, v1);
   });
   if (mb_tid() == 0) a.ws_dec[static_cast<int64_t>(k.bhi) * a.nsub + sub] = dec;
 }
 
 // K3 (lean): one segment of one (b, h): the full chunk pass.
-template <int ST>
+template <int NT, int ST>
 MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
   const MbLayout& L = a.l3;
   const int64_t bid = mb_bid();
@@ -626,8 +636,8 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
   const int Ppt = a.Ppt;
   const LeanTiles tt = lean_tiles(a, L, sm);
   // The epilogue's Kahan partials start from zero.
-  for (int e = mb_tid(); e < 2 * kParts * a.R * Ppt; e += kNT) sm[L.acc + e] = 0.f;
-  load_consts(a, L, sm, k, true, true, Ppt);
+  for (int e = mb_tid(); e < 2 * kParts * a.R * Ppt; e += NT) sm[L.acc + e] = 0.f;
+  load_consts<NT>(a, L, sm, k, true, true, Ppt);
   LeanState<ST> st;
   if (seg > 0) {
     const float* in = a.ws_enter + (static_cast<int64_t>(k.bhi) * (a.nseg - 1) + seg - 1) * a.N * a.P;
@@ -635,7 +645,7 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
     const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int j = 0; j < ST; ++j) {
-      const int tile = (mb_tid() >> 5) + j * kLeanW;
+      const int tile = (mb_tid() >> 5) + j * (NT / 32);
       if (tile >= ntiles) break;
       const int m0 = (tile / ntp) * 16, n0 = (tile % ntp) * 16;
 #pragma unroll
@@ -650,7 +660,7 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
 #pragma unroll
     for (int j = 0; j < ST; ++j) zero_acc(st.acc[j]);
   }
-  lean_state_to_planes(a, tt, st);
+  lean_state_to_planes<NT>(a, tt, st);
   const float Dv = a.has_d ? ld1(a.d, k.h) : 0.f;
 
   const int c0 = seg * a.L3, c1 = min(a.nch, c0 + a.L3);
@@ -658,29 +668,29 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
     mb_sync();
     chunk_scalars(a, L, sm, k, c);
-    lean_chunk_angles(a, L, sm, k, c);
-    lean_write_states(a, k, c, st);
+    lean_chunk_angles<NT>(a, L, sm, k, c);
+    lean_write_states<NT>(a, k, c, st);
     mb_sync();
-    chunk_weights(a, L, sm, k, c);
+    chunk_weights<NT>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
-    lean_build_qk(a, L, sm, tt, k, c, true);
-    lean_build_x(a, L, sm, tt, k, c, true);
+    lean_build_qk<NT>(a, L, sm, tt, k, c, true);
+    lean_build_x<NT>(a, L, sm, tt, k, c, true);
     mb_sync();
-    lean_scores(a, L, sm, tt, k, c, Dv);
+    lean_scores<NT>(a, L, sm, tt, k, c, Dv);
     mb_sync();
-    lean_y(a, L, sm, tt);
+    lean_y<NT>(a, L, sm, tt);
     mb_sync();
-    if (a.has_norm) lean_norm_stats(a, L, sm, Lc);
-    lean_epilogue(a, L, sm, k, s0, Lc);
+    if (a.has_norm) lean_norm_stats<NT>(a, L, sm, Lc);
+    lean_epilogue<NT>(a, L, sm, k, s0, Lc);
     // The state planes were last read by lean_y (before the barrier above); the epilogue does
     // not touch them.
     if (c + 1 < a.nch) {
-      lean_state_update(a, tt, st, e_chunk);
-      lean_state_to_planes(a, tt, st);
+      lean_state_update<NT>(a, tt, st, e_chunk);
+      lean_state_to_planes<NT>(a, tt, st);
     }
   }
   mb_sync();
-  write_partials(a, L, sm, k, seg, Ppt);
+  write_partials<NT>(a, L, sm, k, seg, Ppt);
 }
 
 }  // namespace mamba3::cuda::mimo
