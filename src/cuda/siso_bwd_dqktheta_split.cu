@@ -266,7 +266,11 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   };
   // This head's dq/dk terms of block position pb into shared memory, [pb][q|k][head][N]: the heads
   // of one element are N floats apart (a compile-time stride for the summing loop).
-  auto stage_terms = [&](int pb, const float* v) {
+  // Element offset of each block position's dq/dk row (-1: past the end), for the summing threads.
+  int* const row_off = reinterpret_cast<int*>(smem + static_cast<size_t>(PB) * 2 * HG * N);
+  auto stage_terms = [&](int pb, const Pos& p, const float* v) {
+    if (wh == 0 && lane == 0)
+      row_off[pb] = p.val ? p.b * a.go_sb + p.s * a.go_ss + g * a.go_sg : -1;
     float4* r = reinterpret_cast<float4*>(smem) + (static_cast<size_t>(pb) * 2 * HG + head) * N4;
     float4* rk = r + static_cast<size_t>(HG) * N4;
     r[col] = make_float4(v[0], v[1], v[2], v[3]);
@@ -297,7 +301,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       if (WH == 1)
         store_whole(P, v);
       else
-        stage_terms(wr * kUnits + i, v);
+        stage_terms(wr * kUnits + i, P, v);
       P = Pn;
     };
     static_assert(kUnits % 2 == 0, "the pipeline alternates two buffers");
@@ -307,28 +311,39 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       step(i + 1, B, A);
     }
     if (WH > 1) {
-      // dq/dk of the block: the HG head terms of each element summed in head order; two
-      // elements per task so that every thread has work.
+      // dq/dk of the block: the HG head terms of each element summed as four interleaved
+      // chains (heads h = j mod 4), then (0 + 1) + (2 + 3): a fixed order, and no 31-deep
+      // dependent chain for every thread to wait on between two barriers. Two elements per task
+      // so that every thread has work. HG is a power of two >= 2 here (see run_split).
       __syncthreads();
       const int tasks = PB * N;  // (position, q|k, element pair)
       for (int t = threadIdx.x; t < tasks; t += blockDim.x) {
         const int c2 = t % (N / 2), qk = (t / (N / 2)) & 1, pb = t / N;
-        const int row = blk * PB + pb;
-        const float2* src =
-            reinterpret_cast<const float2*>(smem) + static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
-        float2 s = src[0];
-#pragma unroll 8
-        for (int hh = 1; hh < HG; ++hh) {
-          const float2 u = src[hh * (N / 2)];
-          s.x += u.x, s.y += u.y;
+        const float2* src = reinterpret_cast<const float2*>(smem) +
+                            static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
+        float2 s;
+        if (HG == 2) {
+          const float2 u0 = src[0], u1 = src[N / 2];
+          s = make_float2(u0.x + u1.x, u0.y + u1.y);
+        } else {
+          float2 c[4] = {src[0], src[N / 2], src[2 * (N / 2)], src[3 * (N / 2)]};
+#pragma unroll 2
+          for (int hh = 4; hh < HG; hh += 4) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 u = src[(hh + j) * (N / 2)];
+              c[j].x += u.x, c[j].y += u.y;
+            }
+          }
+          s = make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
+                          (c[0].y + c[1].y) + (c[2].y + c[3].y));
         }
-        if (row < a.rows) {
-          const Pos q = pos_of(row, a);
+        const int off = row_off[pb];
+        if (off >= 0) {
           const float v2[2] = {s.x, s.y};
           uint32_t w;
           E::template pack<2>(v2, &w);
-          unsigned char* base = qk ? a.dk : a.dq;
-          *reinterpret_cast<uint32_t*>(base + (q.b * a.go_sb + q.s * a.go_ss + g * a.go_sg + 2 * c2) * 2) = w;
+          *reinterpret_cast<uint32_t*>((qk ? a.dk : a.dq) + static_cast<int64_t>(off + 2 * c2) * 2) = w;
         }
       }
       __syncthreads();
@@ -416,7 +431,8 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
   const int W = WH == 1 ? 8 : 16;
   const int WR = W / WH;
   const int PB = WR * kUnits;
-  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N * 4 : 0;
+  // Head terms [PB][2][HG][N] floats and the PB row offsets behind them.
+  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N * 4 + PB * 4 : 0;
   const size_t fin = static_cast<size_t>(WR) * HG * 2 * N * 4;
   const size_t smem = std::max(terms, fin);
   const DeviceProps& dp = device_props(p.device_id);
