@@ -68,6 +68,7 @@ struct DeviceProps {
   int smem_per_sm = 0;    // bytes of shared memory per SM
   int smem_optin = 0;     // max dynamic shared memory per block (opt-in)
   int smem_reserved = 0;  // shared memory the system reserves per block
+  int coop_launch = 0;    // cooperative launches (grid-wide barriers) supported
 };
 
 inline const DeviceProps& device_props(int device) {
@@ -88,6 +89,8 @@ inline const DeviceProps& device_props(int device) {
     check_cuda(
         cudaDeviceGetAttribute(&p.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, device),
         "cudaDeviceGetAttribute(reservedSharedMemoryPerBlock)");
+    check_cuda(cudaDeviceGetAttribute(&p.coop_launch, cudaDevAttrCooperativeLaunch, device),
+               "cudaDeviceGetAttribute(cooperativeLaunch)");
     if (p.sms < 1) p.sms = 1;
   });
   return props[device];

@@ -1723,8 +1723,9 @@ void compute_dqktheta(const DqkthetaParams& p, void* workspace, size_t workspace
 
   float* const ws =
       reinterpret_cast<float*>(align_up(reinterpret_cast<uintptr_t>(workspace), kWsAlign));
-  if (const int split_ctas = run_split(p, ws, sms, st)) {
-    launch_bias_reduce(p, ws, split_ctas, st);
+  bool biases_done = false;
+  if (const int split_ctas = run_split(p, ws, sms, st, &biases_done)) {
+    if (!biases_done) launch_bias_reduce(p, ws, split_ctas, st);
     return;
   }
   if (const int lean_ctas = run_lean(p, ws, sms, st)) {

@@ -80,7 +80,9 @@ inline bool rows_vectorizable(const TensorView& v, int64_t bytes) {
 
 // The split-run kernel (siso_bwd_dqktheta_split.cu) when it takes these arguments: launches it
 // on `st`, writing one bias partial per CTA into `ws` ([G][ctas][HG][2][N] floats), and returns
-// the CTAs per q/k head it used; 0 when it does not apply (nothing launched).
-int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st);
+// the CTAs per q/k head it used; 0 when it does not apply (nothing launched). *biases_done: the
+// kernel also summed the partials into dq_bias / dk_bias (cooperative launch); otherwise the
+// caller runs the bias reduction.
+int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool* biases_done);
 
 }  // namespace mamba3::cuda::dqk

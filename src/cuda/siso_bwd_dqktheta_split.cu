@@ -25,11 +25,16 @@
 // Deterministic: every sum has a fixed order, no atomics.
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/cu_seqlens.cuh"
 #include "cuda/siso_bwd_dqktheta_shared.cuh"
+
+#include <cooperative_groups.h>
 
 namespace mamba3::cuda::dqk {
 namespace {
@@ -59,6 +64,11 @@ struct SplitArgs {
   int has_dok, varlen;
   CuSeqlens cu;
   float* ws;
+  // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
+  // dq_bias / dk_bias (else bias_reduce_kernel does, as for the other kernels).
+  int fused;
+  float *dqb, *dkb;
+  int64_t dqb_sh, dqb_sn, dkb_sh, dkb_sn;
 };
 
 // A position (flattened row = b * S + s) of the walk, with its element offsets (without the head
@@ -361,36 +371,98 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     *reinterpret_cast<float4*>(r + N + N / 2 + 4 * col) = make_float4(sk[4], sk[5], sk[6], sk[7]);
   }
   __syncthreads();
-  float* out = a.ws + (static_cast<size_t>(g) * gridDim.x + blockIdx.x) * HG * 2 * N;
-  for (int i = threadIdx.x; i < HG * 2 * N; i += blockDim.x) {
+  const int NV = HG * 2 * N;  // bias values of the group
+  float* out = a.ws + (static_cast<size_t>(g) * gridDim.x + blockIdx.x) * NV;
+  for (int i = threadIdx.x; i < NV; i += blockDim.x) {
     float s = fin[i];
-    for (int w = 1; w < a.WR; ++w) s += fin[static_cast<size_t>(w) * HG * 2 * N + i];
+    for (int w = 1; w < a.WR; ++w) s += fin[static_cast<size_t>(w) * NV + i];
     out[i] = s;
+  }
+  if (!a.fused) return;
+
+  // Every CTA's partial written: CTA x of group g sums the partials of its slice [e0, e1) of the
+  // group's values. Thread t takes value e0 + t % VW (consecutive threads, consecutive values:
+  // coalesced) and the CTAs c = t / VW + J u (J = threads / VW splits, a thread's loads all in
+  // flight together); the J split sums meet in shared memory and are added in split order: a
+  // fixed order (deterministic). Why not one thread per value: ~130 dependent-latency loads each.
+  cooperative_groups::this_grid().sync();
+  const int C = static_cast<int>(gridDim.x), nt = static_cast<int>(blockDim.x);
+  const int e0 = static_cast<int>(static_cast<int64_t>(NV) * blockIdx.x / C);
+  const int e1 = static_cast<int>(static_cast<int64_t>(NV) * (blockIdx.x + 1) / C);
+  const int VW = std::min(nt, std::max(32, (e1 - e0 + 31) / 32 * 32));  // values per pass
+  const int J = nt / VW, tj = static_cast<int>(threadIdx.x) / VW;
+  const float* part = a.ws + static_cast<size_t>(g) * C * NV;
+  float* split = smem;  // [J][VW]
+  for (int base = e0; base < e1; base += VW) {
+    const int e = base + static_cast<int>(threadIdx.x) % VW;
+    float acc = 0.f;
+    if (tj < J && e < e1) {
+      constexpr int kB = 8;
+      for (int c0 = tj; c0 < C; c0 += kB * J) {
+        float v[kB];
+#pragma unroll
+        for (int u = 0; u < kB; ++u) {
+          const int c = c0 + u * J;
+          v[u] = c < C ? __ldcg(part + static_cast<size_t>(c) * NV + e) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < kB; ++u) acc += v[u];
+      }
+    }
+    if (tj < J) split[tj * VW + threadIdx.x % VW] = acc;
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < VW && e < e1) {
+      float sum = split[threadIdx.x];
+      for (int q = 1; q < J; ++q) sum += split[q * VW + threadIdx.x];
+      const int hh = g * HG + e / (2 * N), qk = (e / N) & 1, n = e % N;
+      if (qk)
+        a.dkb[hh * a.dkb_sh + n * a.dkb_sn] = sum;
+      else
+        a.dqb[hh * a.dqb_sh + n * a.dqb_sn] = sum;
+    }
+    __syncthreads();
   }
 }
 
+using SplitKernel = void (*)(SplitArgs);
+
+// The instantiation for (Tg, N) with its dynamic shared-memory limit raised to `smem`.
 template <class Tg, int N>
-void launch(const SplitArgs& a, dim3 grid, int threads, size_t smem, cudaStream_t st,
-            int device) {
+SplitKernel prepared(int device, size_t smem) {
   ensure_dynamic_smem<dqk_split_kernel<Tg, N>>(device, smem);
-  dqk_split_kernel<Tg, N><<<grid, threads, smem, st>>>(a);
-  check_launch("compute_dqktheta: split-run kernel launch");
+  return dqk_split_kernel<Tg, N>;
 }
 
 template <class Tg>
-void launch_n(int N, const SplitArgs& a, dim3 grid, int threads, size_t smem, cudaStream_t st,
-              int device) {
+SplitKernel kernel_for(int N, int device, size_t smem) {
   switch (N) {
-    case 32: return launch<Tg, 32>(a, grid, threads, smem, st, device);
-    case 64: return launch<Tg, 64>(a, grid, threads, smem, st, device);
-    case 128: return launch<Tg, 128>(a, grid, threads, smem, st, device);
-    default: return launch<Tg, 256>(a, grid, threads, smem, st, device);
+    case 32: return prepared<Tg, 32>(device, smem);
+    case 64: return prepared<Tg, 64>(device, smem);
+    case 128: return prepared<Tg, 128>(device, smem);
+    default: return prepared<Tg, 256>(device, smem);
   }
+}
+
+// Resident CTAs per SM of `kern` (occupancy calculator), cached per (kernel, device, CTA shape):
+// the launch path makes no runtime query after the first call of a shape.
+int resident_ctas(SplitKernel kern, int device, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kern), device, threads, smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, smem),
+             "compute_dqktheta: occupancy of the split-run kernel");
+  cache[key] = n;
+  return n;
 }
 
 }  // namespace
 
-int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
+int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool* biases_done) {
+  *biases_done = false;
   // MAMBA3_DQK_SPLIT=0 turns this kernel off (A/B measurements against the lean kernel).
   static const bool kOn = [] {
     const char* v = std::getenv("MAMBA3_DQK_SPLIT");
@@ -445,8 +517,15 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
       {static_cast<size_t>(W == 16 ? 1 : kMaxCtasPerSm), per_sm / (smem + rsv)}));
   const int64_t rows = p.B * p.S;
   const int64_t nblk = (rows + PB - 1) / PB;
-  const int ctas = static_cast<int>(
-      std::min<int64_t>(ctas_per_group_bound(p.G, sms, rows, occ), nblk));
+  int ctas = static_cast<int>(std::min<int64_t>(ctas_per_group_bound(p.G, sms, rows, occ), nblk));
+  // The bias sums inside the kernel need every CTA resident at once (cooperative launch): the
+  // grid must fit what the occupancy calculator allows; otherwise they run as a second kernel.
+  const SplitKernel kern = tg == DType::BF16
+                               ? kernel_for<__nv_bfloat16>(static_cast<int>(N), p.device_id, smem)
+                               : kernel_for<__half>(static_cast<int>(N), p.device_id, smem);
+  const int resident = resident_ctas(kern, p.device_id, W * 32, smem);
+  const bool fused = dp.coop_launch && static_cast<int64_t>(ctas) * p.G <=
+                                           static_cast<int64_t>(resident) * sms;
 
   SplitArgs a;
   std::memset(&a, 0, sizeof(a));
@@ -483,12 +562,23 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
   a.varlen = p.varlen;
   a.cu = make_cu_seqlens(p.cu_seqlens);
   a.ws = ws;
+  a.fused = fused;
+  a.dqb = static_cast<float*>(p.dq_bias.data), a.dkb = static_cast<float*>(p.dk_bias.data);
+  a.dqb_sh = p.dq_bias.strides[0], a.dqb_sn = p.dq_bias.strides[1];
+  a.dkb_sh = p.dk_bias.strides[0], a.dkb_sn = p.dk_bias.strides[1];
 
-  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.G));
-  if (tg == DType::BF16)
-    launch_n<__nv_bfloat16>(i32(N), a, grid, W * 32, smem, st, p.device_id);
-  else
-    launch_n<__half>(i32(N), a, grid, W * 32, smem, st, p.device_id);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(p.G));
+  cfg.blockDim = dim3(static_cast<unsigned>(W * 32));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = fused ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&cfg, kern, a), "compute_dqktheta: split-run kernel launch");
+  *biases_done = fused;
   return ctas;
 }
 
