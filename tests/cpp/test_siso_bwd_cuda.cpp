@@ -214,8 +214,9 @@ TEST(SisoBwdCuda, DqkthetaLeanAndFallbackPaths) {
 // every N it takes: warps holding all heads of the group (dq/dk by shuffles; 8 heads per warp at
 // N = 32, 1 at N = 256) and groups spread over 2-16 warps (dq/dk through shared memory, with 1-8
 // warps per head along the rows), single positions, partial last blocks, CTAs walking many
-// blocks, varlen and d_ok_state; plus same-shape cases it must leave to the lean kernel (heads
-// per group not a multiple of the heads a warp holds, A != N/4).
+// blocks, varlen and d_ok_state, bias sums inside the kernel or in the separate reduction; plus
+// same-shape cases it must leave to the lean kernel (heads per group not a multiple of the heads
+// a warp holds, A != N/4).
 TEST(SisoBwdCuda, DqkthetaSplitRunPaths) {
   SKIP_WITHOUT_CUDA();
   const IoType F = IoType::F32, H = IoType::F16, BF = IoType::BF16;
@@ -228,6 +229,9 @@ TEST(SisoBwdCuda, DqkthetaSplitRunPaths) {
       dqk(2, 23, 1, 1, 256, 64, H, H, F, 81),    dqk(1, 31, 1, 16, 256, 64, BF, BF, F, 82),
       dqk(2, 5, 3, 6, 128, 32, BF, BF, F, 83),   dqk(1, 39, 1, 6, 128, 32, BF, BF, F, 84),
       dqk(2, 27, 1, 4, 128, 64, BF, BF, F, 85),  dqk(1, 300, 4, 16, 64, 16, BF, BF, F, 86),
+      // 5 q/k heads: 53 CTAs each would exceed the 264 resident ones, so the bias partials are
+      // summed by the separate reduction kernel instead of inside the cooperative kernel.
+      dqk(1, 2000, 5, 10, 128, 32, BF, BF, F, 87),
   };
   WorstLog worst;
   for (size_t i = 0; i < cases.size(); ++i) {
