@@ -922,29 +922,8 @@ __global__ void __launch_bounds__(256)
 //   ~1e-6, far below the 16-bit tolerances); float32 dq_in keeps the precise sincosf.
 constexpr int kLeanWarps = 8;
 
-struct LeanArgs {
-  int rows, S, HG, A, WH, WR, PB, nblk;
-  const unsigned char *q, *k;
-  int q_sb, q_ss, q_sg;  // shared by q and k (checked on the host)
-  const unsigned char *dqi, *dki;
-  int gi_sb, gi_ss, gi_sh;  // shared by dq_in and dk_in
-  unsigned char *dq, *dk;
-  int go_sb, go_ss, go_sg;  // shared by dq and dk
-  const float* ang;
-  float* dang;
-  int an_sb, an_ss, an_sh;  // shared by angles and dangles
-  const float *sc, *ga, *dqk;
-  float *dsc, *dga;
-  int sm_sb, sm_sh, sm_ss;  // shared by scale, gamma, dqk, dscale, dgamma
-  const unsigned char *qb, *kb;
-  int t_qb, t_kb;
-  int64_t qb_sh, qb_sn, kb_sh, kb_sn;
-  const unsigned char* dok;
-  int t_dok;
-  int64_t dok_sq, dok_sh, dok_sn;
-  int has_dok, varlen;
-  CuSeqlens cu;
-  float* ws;
+struct LeanArgs : DqkTensors {
+  int A, WH, WR, PB, nblk;
   int pf;  // L2 prefetch of each warp's next item (see the kernel)
 };
 
@@ -1594,39 +1573,9 @@ int run_lean(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
     return 0;
   LeanArgs a;
   std::memset(&a, 0, sizeof(a));
-  auto i32 = [](int64_t x) { return static_cast<int>(x); };
-  auto cptr = [](const TensorView& v) { return static_cast<const unsigned char*>(v.data); };
-  auto mptr = [](const TensorView& v) { return static_cast<unsigned char*>(v.data); };
-  a.rows = i32(p.B * p.S), a.S = i32(p.S), a.HG = i32(p.H / p.G), a.A = i32(p.A);
+  fill_dqk_tensors(a, p, ws);
+  a.A = static_cast<int>(p.A);
   a.WH = lp.WH, a.WR = lp.WR, a.PB = lp.WR * lp.RPW * lp.T, a.nblk = lp.nblk;
-  a.q = cptr(p.q), a.k = cptr(p.k);
-  a.q_sb = i32(p.q.strides[0]), a.q_ss = i32(p.q.strides[1]), a.q_sg = i32(p.q.strides[2]);
-  a.dqi = cptr(p.dq_in), a.dki = cptr(p.dk_in);
-  a.gi_sb = i32(p.dq_in.strides[0]), a.gi_ss = i32(p.dq_in.strides[1]);
-  a.gi_sh = i32(p.dq_in.strides[2]);
-  a.dq = mptr(p.dq), a.dk = mptr(p.dk);
-  a.go_sb = i32(p.dq.strides[0]), a.go_ss = i32(p.dq.strides[1]), a.go_sg = i32(p.dq.strides[2]);
-  a.ang = static_cast<const float*>(p.angles.data), a.dang = static_cast<float*>(p.dangles.data);
-  a.an_sb = i32(p.angles.strides[0]), a.an_ss = i32(p.angles.strides[1]);
-  a.an_sh = i32(p.angles.strides[2]);
-  a.sc = static_cast<const float*>(p.scale.data), a.ga = static_cast<const float*>(p.gamma.data);
-  a.dqk = static_cast<const float*>(p.dqk.data);
-  a.dsc = static_cast<float*>(p.dscale.data), a.dga = static_cast<float*>(p.dgamma.data);
-  a.sm_sb = i32(p.scale.strides[0]), a.sm_sh = i32(p.scale.strides[1]);
-  a.sm_ss = i32(p.scale.strides[2]);
-  a.qb = cptr(p.q_bias), a.kb = cptr(p.k_bias);
-  a.t_qb = static_cast<int>(p.q_bias.dtype), a.t_kb = static_cast<int>(p.k_bias.dtype);
-  a.qb_sh = p.q_bias.strides[0], a.qb_sn = p.q_bias.strides[1];
-  a.kb_sh = p.k_bias.strides[0], a.kb_sn = p.k_bias.strides[1];
-  a.has_dok = p.has_dok;
-  if (p.has_dok) {
-    a.dok = cptr(p.d_ok_state), a.t_dok = static_cast<int>(p.d_ok_state.dtype);
-    a.dok_sq = p.d_ok_state.strides[0], a.dok_sh = p.d_ok_state.strides[1];
-    a.dok_sn = p.d_ok_state.strides[2];
-  }
-  a.varlen = p.varlen;
-  a.cu = make_cu_seqlens(p.cu_seqlens);
-  a.ws = ws;
   // MAMBA3_DQK_PF=0 turns the L2 prefetch off (A/B measurements).
   static const int kPf = [] {
     const char* v = std::getenv("MAMBA3_DQK_PF");
@@ -1636,15 +1585,16 @@ int run_lean(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st) {
   // but -5% at H/G = 4, where every prefetch crosses to the next block.
   a.pf = kPf && a.HG >= 2 * a.WH;
   const dim3 grid(static_cast<unsigned>(lp.ctas_per_g), static_cast<unsigned>(p.G));
+  const int N = static_cast<int>(p.N);
   switch (p.dq_in.dtype) {
     case DType::F32:
-      launch_lean<float>(lp, a, i32(p.N), grid, st, p.device_id);
+      launch_lean<float>(lp, a, N, grid, st, p.device_id);
       break;
     case DType::BF16:
-      launch_lean<__nv_bfloat16>(lp, a, i32(p.N), grid, st, p.device_id);
+      launch_lean<__nv_bfloat16>(lp, a, N, grid, st, p.device_id);
       break;
     default:
-      launch_lean<__half>(lp, a, i32(p.N), grid, st, p.device_id);
+      launch_lean<__half>(lp, a, N, grid, st, p.device_id);
       break;
   }
   return lp.ctas_per_g;

@@ -41,29 +41,8 @@ namespace {
 
 constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline alternates 2 buffers)
 
-struct SplitArgs {
-  int rows, S, HG, WH, WR, PB, nblk;
-  const unsigned char *q, *k;
-  int q_sb, q_ss, q_sg;  // shared by q and k
-  const unsigned char *dqi, *dki;
-  int gi_sb, gi_ss, gi_sh;  // shared by dq_in and dk_in
-  unsigned char *dq, *dk;
-  int go_sb, go_ss, go_sg;  // shared by dq and dk
-  const float* ang;
-  float* dang;
-  int an_sb, an_ss, an_sh;  // shared by angles and dangles
-  const float *sc, *ga, *dqk;
-  float *dsc, *dga;
-  int sm_sb, sm_sh, sm_ss;  // shared by scale, gamma, dqk, dscale, dgamma
-  const unsigned char *qb, *kb;
-  int t_qb, t_kb;
-  int64_t qb_sh, qb_sn, kb_sh, kb_sn;
-  const unsigned char* dok;
-  int t_dok;
-  int64_t dok_sq, dok_sh, dok_sn;
-  int has_dok, varlen;
-  CuSeqlens cu;
-  float* ws;
+struct SplitArgs : DqkTensors {
+  int WH, WR, PB, nblk;
   // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
   // dq_bias / dk_bias (else bias_reduce_kernel does, as for the other kernels).
   int fused;
@@ -529,39 +508,8 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
 
   SplitArgs a;
   std::memset(&a, 0, sizeof(a));
-  auto i32 = [](int64_t x) { return static_cast<int>(x); };
-  auto cptr = [](const TensorView& v) { return static_cast<const unsigned char*>(v.data); };
-  auto mptr = [](const TensorView& v) { return static_cast<unsigned char*>(v.data); };
-  a.rows = i32(rows), a.S = i32(p.S), a.HG = i32(HG), a.WH = WH, a.WR = WR, a.PB = PB;
-  a.nblk = i32(nblk);
-  a.q = cptr(p.q), a.k = cptr(p.k);
-  a.q_sb = i32(p.q.strides[0]), a.q_ss = i32(p.q.strides[1]), a.q_sg = i32(p.q.strides[2]);
-  a.dqi = cptr(p.dq_in), a.dki = cptr(p.dk_in);
-  a.gi_sb = i32(p.dq_in.strides[0]), a.gi_ss = i32(p.dq_in.strides[1]);
-  a.gi_sh = i32(p.dq_in.strides[2]);
-  a.dq = mptr(p.dq), a.dk = mptr(p.dk);
-  a.go_sb = i32(p.dq.strides[0]), a.go_ss = i32(p.dq.strides[1]), a.go_sg = i32(p.dq.strides[2]);
-  a.ang = static_cast<const float*>(p.angles.data), a.dang = static_cast<float*>(p.dangles.data);
-  a.an_sb = i32(p.angles.strides[0]), a.an_ss = i32(p.angles.strides[1]);
-  a.an_sh = i32(p.angles.strides[2]);
-  a.sc = static_cast<const float*>(p.scale.data), a.ga = static_cast<const float*>(p.gamma.data);
-  a.dqk = static_cast<const float*>(p.dqk.data);
-  a.dsc = static_cast<float*>(p.dscale.data), a.dga = static_cast<float*>(p.dgamma.data);
-  a.sm_sb = i32(p.scale.strides[0]), a.sm_sh = i32(p.scale.strides[1]);
-  a.sm_ss = i32(p.scale.strides[2]);
-  a.qb = cptr(p.q_bias), a.kb = cptr(p.k_bias);
-  a.t_qb = static_cast<int>(p.q_bias.dtype), a.t_kb = static_cast<int>(p.k_bias.dtype);
-  a.qb_sh = p.q_bias.strides[0], a.qb_sn = p.q_bias.strides[1];
-  a.kb_sh = p.k_bias.strides[0], a.kb_sn = p.k_bias.strides[1];
-  a.has_dok = p.has_dok;
-  if (p.has_dok) {
-    a.dok = cptr(p.d_ok_state), a.t_dok = static_cast<int>(p.d_ok_state.dtype);
-    a.dok_sq = p.d_ok_state.strides[0], a.dok_sh = p.d_ok_state.strides[1];
-    a.dok_sn = p.d_ok_state.strides[2];
-  }
-  a.varlen = p.varlen;
-  a.cu = make_cu_seqlens(p.cu_seqlens);
-  a.ws = ws;
+  fill_dqk_tensors(a, p, ws);
+  a.WH = WH, a.WR = WR, a.PB = PB, a.nblk = static_cast<int>(nblk);
   a.fused = fused;
   a.dqb = static_cast<float*>(p.dq_bias.data), a.dkb = static_cast<float*>(p.dk_bias.data);
   a.dqb_sh = p.dq_bias.strides[0], a.dqb_sn = p.dq_bias.strides[1];

@@ -182,6 +182,22 @@ TEST(SisoBwdCuda, DqkthetaHeadSplits) {
   print_worst("compute_dqktheta (head splits) on cuda", worst);
 }
 
+// Runs every case without and with d_ok_state (the latter as varlen with 3 sequences when B = 1
+// and S allows), checking each against the golden, and prints the worst errors under `label`.
+void run_with_and_without_dok(const std::vector<DqkthetaCase>& cases, const char* label) {
+  WorstLog worst;
+  for (DqkthetaCase c : cases) {
+    for (int variant = 0; variant < 2; ++variant) {
+      c.dok = variant == 1;
+      if (variant == 1 && c.B == 1 && c.S >= 3) c.seqlens = split_lengths(c.S, 3);
+      const CaseReport r = run_dqktheta_case(c, Device::CUDA, 2);
+      expect_pass(r);
+      record(worst, r);
+    }
+  }
+  print_worst(label, worst);
+}
+
 // The lean kernel (one dtype for q/k/dq_in/dk_in, float32 angles and row scalars) for every N
 // it takes and f16/bf16/f32 I/O, 1 to 16 heads per q/k head (all warps on heads, or split
 // between heads and rows), partial last blocks, varlen and d_ok_state; next to cases of the same
@@ -196,18 +212,7 @@ TEST(SisoBwdCuda, DqkthetaLeanAndFallbackPaths) {
       dqk(2, 31, 1, 3, 128, 64, F, F, F, 57),    dqk(1, 77, 4, 4, 16, 2, BF, BF, F, 58),
       dqk(1, 67, 1, 16, 128, 32, H, H, H, 59),   dqk(2, 29, 1, 5, 64, 15, BF, BF, F, 60),
   };
-  WorstLog worst;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    DqkthetaCase c = cases[i];
-    for (int variant = 0; variant < 2; ++variant) {
-      c.dok = variant == 1;
-      if (variant == 1 && c.B == 1) c.seqlens = split_lengths(c.S, 3);
-      const CaseReport r = run_dqktheta_case(c, Device::CUDA, 2);
-      expect_pass(r);
-      record(worst, r);
-    }
-  }
-  print_worst("compute_dqktheta (lean and fallback paths) on cuda", worst);
+  run_with_and_without_dok(cases, "compute_dqktheta (lean and fallback paths) on cuda");
 }
 
 // The split-run kernel (A = N/4, 16-bit q/k/dq_in/dk_in, float32 angles and row scalars) for
@@ -233,18 +238,7 @@ TEST(SisoBwdCuda, DqkthetaSplitRunPaths) {
       // summed by the separate reduction kernel instead of inside the cooperative kernel.
       dqk(1, 2000, 5, 10, 128, 32, BF, BF, F, 87),
   };
-  WorstLog worst;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    DqkthetaCase c = cases[i];
-    for (int variant = 0; variant < 2; ++variant) {
-      c.dok = variant == 1;
-      if (variant == 1 && c.B == 1 && c.S >= 3) c.seqlens = split_lengths(c.S, 3);
-      const CaseReport r = run_dqktheta_case(c, Device::CUDA, 2);
-      expect_pass(r);
-      record(worst, r);
-    }
-  }
-  print_worst("compute_dqktheta (split-run kernel) on cuda", worst);
+  run_with_and_without_dok(cases, "compute_dqktheta (split-run kernel) on cuda");
 }
 
 // Many short sequences (length 1 included) with d_ok_state: most rows are a sequence's last.
