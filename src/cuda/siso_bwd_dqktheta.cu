@@ -1130,14 +1130,11 @@ __global__ void __launch_bounds__(kLeanWarps * 32, 2)
           const float x0 = x[2 * i], x1 = x[2 * i + 1], y0 = y[2 * i], y1 = y[2 * i + 1];
           const float dqr0 = fmaf(x0, cs[i], x1 * sn[i]), dqr1 = fmaf(x1, cs[i], -(x0 * sn[i]));
           const float dkr0 = fmaf(y0, cs[i], y1 * sn[i]), dkr1 = fmaf(y1, cs[i], -(y0 * sn[i]));
-          dsc = fmaf(dkr0, kb0, fmaf(dkr1, kb1, dsc));
-          qkd = fmaf(qb0, kb0, fmaf(qb1, kb1, qkd));
-          const float k0 = scl * dkr0, k1 = scl * dkr1;
-          dqp[2 * i] = fmaf(gd, kb0, dqr0);
-          dqp[2 * i + 1] = fmaf(gd, kb1, dqr1);
-          dkp[2 * i] = fmaf(gd, qb0, k0);
-          dkp[2 * i + 1] = fmaf(gd, qb1, k1);
-          dan[i] = fmaf(qb0, dqr1, -(qb1 * dqr0)) + fmaf(kb0, k1, -(kb1 * k0));
+          const PairTerms pt =
+              pair_terms(qb0, qb1, kb0, kb1, dqr0, dqr1, dkr0, dkr1, scl, gd, dsc, qkd);
+          dqp[2 * i] = pt.dq0, dqp[2 * i + 1] = pt.dq1;
+          dkp[2 * i] = pt.dk0, dkp[2 * i + 1] = pt.dk1;
+          dan[i] = pt.dan;
         }
         // d_ok_state enters dk (and so dk_bias and dangles) at a sequence's last position.
         if (dseq[t] >= 0) {

@@ -109,6 +109,29 @@ inline void fill_dqk_tensors(DqkTensors& a, const DqkthetaParams& p, float* ws) 
   a.ws = ws;
 }
 
+// The per-pair terms of compute_dqktheta for one (position, head) and one pair of elements
+// (2i, 2i+1), shared by the lean and split-run kernels: qb/kb the biased q and k, dqr/dkr dq_in
+// and dk_in rotated back (unrotated pairs: as they are), scl the scale, gd = dqk * gamma.
+// Accumulates the row dots dsc (dscale) and qkd (q.k of dgamma); returns the q/k gradient terms
+// before the head and bias sums, and the pair's dangles (meaningful for rotated pairs only).
+struct PairTerms {
+  float dq0, dq1, dk0, dk1, dan;
+};
+__device__ __forceinline__ PairTerms pair_terms(float qb0, float qb1, float kb0, float kb1,
+                                                float dqr0, float dqr1, float dkr0, float dkr1,
+                                                float scl, float gd, float& dsc, float& qkd) {
+  dsc = fmaf(dkr0, kb0, fmaf(dkr1, kb1, dsc));
+  qkd = fmaf(qb0, kb0, fmaf(qb1, kb1, qkd));
+  const float k0 = scl * dkr0, k1 = scl * dkr1;
+  PairTerms t;
+  t.dq0 = fmaf(gd, kb0, dqr0);
+  t.dq1 = fmaf(gd, kb1, dqr1);
+  t.dk0 = fmaf(gd, qb0, k0);
+  t.dk1 = fmaf(gd, qb1, k1);
+  t.dan = fmaf(qb0, dqr1, -(qb1 * dqr0)) + fmaf(kb0, k1, -(kb1 * k0));
+  return t;
+}
+
 // CTAs per q/k head: one per SM over all heads, but at least kMinRowsPerCta rows each, so that the
 // per-CTA bias partials (HG*2N floats) stay small next to the CTA's own traffic (~6*HG*N bytes
 // per row): the workspace is then also bounded by a fraction of the inputs' size.
