@@ -1481,31 +1481,9 @@ bool make_lean_plan(const DqkthetaParams& p, int device, int sms, bool wide, Lea
     case 256: lean_geom<256>(es0, &T, &RPW, &VE); break;
     default: return false;
   }
-  const DType tg = p.dq_in.dtype;
-  for (const TensorView* v : {&p.q, &p.k, &p.dk_in, &p.dq, &p.dk})
-    if (v->dtype != tg) return false;
-  for (const TensorView* v : {&p.angles, &p.dangles, &p.scale, &p.gamma, &p.dqk, &p.dscale,
-                              &p.dgamma})
-    if (v->dtype != DType::F32) return false;
-  if (p.A % (VE / 2) != 0 || p.B * p.S >= (int64_t(1) << 31)) return false;
-  auto same3 = [](const TensorView& x, const TensorView& y) {
-    for (int d = 0; d < 3; ++d)
-      if (x.strides[d] != y.strides[d]) return false;
-    return true;
-  };
-  if (!same3(p.q, p.k) || !same3(p.dq_in, p.dk_in) || !same3(p.dq, p.dk) ||
-      !same3(p.angles, p.dangles))
-    return false;
-  for (const TensorView* v : {&p.gamma, &p.dqk, &p.dscale, &p.dgamma})
-    if (!same3(p.scale, *v)) return false;
-  const int64_t es = dtype_size(tg);
-  for (const TensorView* v : {&p.q, &p.k, &p.dq_in, &p.dk_in, &p.dq, &p.dk})
-    if (!rows_vectorizable(*v, std::min<int64_t>(16, VE * es)) || !offsets_fit_int32(*v))
-      return false;
-  for (const TensorView* v : {&p.angles, &p.dangles})
-    if (!rows_vectorizable(*v, VE / 2 * 4) || !offsets_fit_int32(*v)) return false;
-  for (const TensorView* v : {&p.scale, &p.gamma, &p.dqk, &p.dscale, &p.dgamma})
-    if (!offsets_fit_int32(*v)) return false;
+  if (p.A % (VE / 2) != 0) return false;
+  const int64_t es = dtype_size(p.dq_in.dtype);
+  if (!dqk_tensors_fit(p, std::min<int64_t>(16, VE * es), VE / 2 * 4)) return false;
 
   if (wide && (VE != 8 || (N != 64 && N != 128))) return false;
   lp->wide = wide;

@@ -166,6 +166,37 @@ inline bool rows_vectorizable(const TensorView& v, int64_t bytes) {
   return true;
 }
 
+// Whether a DqkTensors block describes these arguments (the lean and split-run kernels'
+// common contract): q, k, dk_in, dq, dk of dq_in's dtype; float32 angles and row scalars; B*S
+// below 2^31; each pair that shares strides in DqkTensors really does; the big tensors' rows
+// readable in `big_bytes` pieces and the angles' in `ang_bytes`; every offset in 32 bits.
+inline bool dqk_tensors_fit(const DqkthetaParams& p, int64_t big_bytes, int64_t ang_bytes) {
+  const DType tg = p.dq_in.dtype;
+  for (const TensorView* v : {&p.q, &p.k, &p.dk_in, &p.dq, &p.dk})
+    if (v->dtype != tg) return false;
+  for (const TensorView* v : {&p.angles, &p.dangles, &p.scale, &p.gamma, &p.dqk, &p.dscale,
+                              &p.dgamma})
+    if (v->dtype != DType::F32) return false;
+  if (p.B * p.S >= (int64_t(1) << 31)) return false;
+  auto same3 = [](const TensorView& x, const TensorView& y) {
+    for (int d = 0; d < 3; ++d)
+      if (x.strides[d] != y.strides[d]) return false;
+    return true;
+  };
+  if (!same3(p.q, p.k) || !same3(p.dq_in, p.dk_in) || !same3(p.dq, p.dk) ||
+      !same3(p.angles, p.dangles))
+    return false;
+  for (const TensorView* v : {&p.gamma, &p.dqk, &p.dscale, &p.dgamma})
+    if (!same3(p.scale, *v)) return false;
+  for (const TensorView* v : {&p.q, &p.k, &p.dq_in, &p.dk_in, &p.dq, &p.dk})
+    if (!rows_vectorizable(*v, big_bytes) || !offsets_fit_int32(*v)) return false;
+  for (const TensorView* v : {&p.angles, &p.dangles})
+    if (!rows_vectorizable(*v, ang_bytes) || !offsets_fit_int32(*v)) return false;
+  for (const TensorView* v : {&p.scale, &p.gamma, &p.dqk, &p.dscale, &p.dgamma})
+    if (!offsets_fit_int32(*v)) return false;
+  return true;
+}
+
 // The split-run kernel (siso_bwd_dqktheta_split.cu) when it takes these arguments: launches it
 // on `st`, writing one bias partial per CTA into `ws` ([G][ctas][HG][2][N] floats), and returns
 // the CTAs per q/k head it used; 0 when it does not apply (nothing launched). *biases_done: the

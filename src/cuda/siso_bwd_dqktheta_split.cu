@@ -447,26 +447,7 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   if (!kOn || (N != 32 && N != 64 && N != 128 && N != 256) || 4 * p.A != N) return 0;
   const DType tg = p.dq_in.dtype;
   if (tg != DType::BF16 && tg != DType::F16) return 0;
-  for (const TensorView* v : {&p.q, &p.k, &p.dk_in, &p.dq, &p.dk})
-    if (v->dtype != tg) return 0;
-  for (const TensorView* v : {&p.angles, &p.dangles, &p.scale, &p.gamma, &p.dqk, &p.dscale,
-                              &p.dgamma})
-    if (v->dtype != DType::F32) return 0;
-  if (p.B * p.S >= (int64_t(1) << 31)) return 0;
-  auto same3 = [](const TensorView& x, const TensorView& y) {
-    for (int d = 0; d < 3; ++d)
-      if (x.strides[d] != y.strides[d]) return false;
-    return true;
-  };
-  if (!same3(p.q, p.k) || !same3(p.dq_in, p.dk_in) || !same3(p.dq, p.dk) ||
-      !same3(p.angles, p.dangles))
-    return 0;
-  for (const TensorView* v : {&p.gamma, &p.dqk, &p.dscale, &p.dgamma})
-    if (!same3(p.scale, *v)) return 0;
-  for (const TensorView* v : {&p.q, &p.k, &p.dq_in, &p.dk_in, &p.dq, &p.dk, &p.angles, &p.dangles})
-    if (!rows_vectorizable(*v, 8) || !offsets_fit_int32(*v)) return 0;
-  for (const TensorView* v : {&p.scale, &p.gamma, &p.dqk, &p.dscale, &p.dgamma})
-    if (!offsets_fit_int32(*v)) return 0;
+  if (!dqk_tensors_fit(p, 8, 8)) return 0;
 
   // Warps: WH cover the group's heads (HR per warp), WR split the positions. A warp with all
   // heads (WH = 1) needs no shared memory for dq/dk: 8 warps, several CTAs per SM; otherwise 16
