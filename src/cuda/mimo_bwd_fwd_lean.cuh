@@ -70,6 +70,12 @@ MB_DEV void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#else
+// Provided by the host-side emulator of the warp-collective instructions (tests only:
+// test_mma_emulated.cpp).
+void ldsm4(uint32_t (&r)[4], const __nv_bfloat16* p);
+void ldsm4t(uint32_t (&r)[4], const __nv_bfloat16* p);
+void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 #endif
 
 // A split tile in shared memory: hi plane at h, lo plane `plane` elements later, row stride ld.
