@@ -18,10 +18,12 @@
 //   for its head and columns), reduced once per CTA at the end.
 // * dq/dk (sums over the heads of the group): when a warp holds all heads of the group (WH = 1,
 //   e.g. N = 64 with 4 heads per group) by shuffles across its rows, written directly; otherwise
-//   each head's term goes to shared memory and the CTA sums the HG terms of each element in head
-//   order after a barrier per block of PB positions.
+//   each head's term goes to shared memory and the CTA sums the HG terms of each element in a
+//   fixed order after a barrier per block of PB positions.
 // * Each warp walks its positions with a two-deep register pipeline: the loads of the next
 //   position are issued before the current one is computed, across head and block boundaries.
+// * The CTAs' bias partials are summed inside the kernel after a grid barrier when the launch can
+//   be cooperative (every CTA resident), else by the shared bias reduction kernel.
 // Deterministic: every sum has a fixed order, no atomics.
 #include <cstdlib>
 #include <cstring>
