@@ -144,14 +144,15 @@ inline int64_t ctas_per_group_bound(int64_t G, int sms, int64_t rows, int per_sm
 // The most CTAs per SM any kernel plans with (sizes the workspace: one bias partial per CTA).
 constexpr int kMaxCtasPerSm = 2;
 
-// Every element offset of the view is non-negative and below 2^31 (32-bit index arithmetic).
-inline bool offsets_fit_int32(const TensorView& v) {
+// Every element offset of the view is non-negative and below 2^31 / elem_bytes (32-bit index
+// arithmetic in elements, or, with elem_bytes > 1, in bytes).
+inline bool offsets_fit_int32(const TensorView& v, int64_t elem_bytes = 1) {
   int64_t mx = 0;
   for (int d = 0; d < v.ndim; ++d) {
     if (v.strides[d] < 0) return false;
     if (v.shape[d] > 1) mx += (v.shape[d] - 1) * v.strides[d];
   }
-  return mx < (int64_t(1) << 31);
+  return mx * elem_bytes < (int64_t(1) << 31);
 }
 
 // The big tensor's rows can be read as chunks of `bytes` (unit innermost stride, base and outer

@@ -450,6 +450,9 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   const DType tg = p.dq_in.dtype;
   if (tg != DType::BF16 && tg != DType::F16) return 0;
   if (!dqk_tensors_fit(p, 8, 8)) return 0;
+  // The kernel forms byte offsets of the 16-bit tensors in 32 bits.
+  for (const TensorView* v : {&p.q, &p.k, &p.dq_in, &p.dk_in, &p.dq, &p.dk})
+    if (!offsets_fit_int32(*v, 2)) return 0;
 
   // Warps: WH cover the group's heads (HR per warp), WR split the positions. A warp with all
   // heads (WH = 1) needs no shared memory for dq/dk: 8 warps, several CTAs per SM; otherwise 16
