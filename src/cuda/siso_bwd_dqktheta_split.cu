@@ -507,8 +507,17 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = fused ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&cfg, kern, a), "compute_dqktheta: split-run kernel launch");
-  *biases_done = fused;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kern, a);
+  if (e == cudaErrorCooperativeLaunchTooLarge && fused) {
+    // Fewer SMs available than the device has (e.g. an MPS limit): the same kernel without the
+    // grid barrier, its partials summed by the reduction kernel.
+    cudaGetLastError();
+    a.fused = 0;
+    cfg.numAttrs = 0;
+    e = cudaLaunchKernelEx(&cfg, kern, a);
+  }
+  check_cuda(e, "compute_dqktheta: split-run kernel launch");
+  *biases_done = a.fused != 0;
   return ctas;
 }
 
