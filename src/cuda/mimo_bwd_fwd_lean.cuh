@@ -72,7 +72,7 @@ MB_DEV void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
 }
 #else
 // Provided by the host-side emulator of the warp-collective instructions (tests only:
-// test_mma_emulated.cpp).
+// tests/cpp/cta_emulator.cpp).
 void ldsm4(uint32_t (&r)[4], const __nv_bfloat16* p);
 void ldsm4t(uint32_t (&r)[4], const __nv_bfloat16* p);
 void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);

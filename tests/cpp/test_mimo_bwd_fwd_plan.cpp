@@ -1,7 +1,8 @@
 // The launch plan of the CUDA first pass (src/cuda/mimo_bwd_fwd_kernels.cuh), on the host: the
 // lean bf16 kernels' thread count (256 or 512: MbPlan::nt) and, for that count, the lean
-// eligibility and state tiles per warp. The lean kernel bodies themselves need the GPU
-// (ldmatrix / mma.sync); they are checked in test_mimo_bwd_fwd_cuda.cpp.
+// eligibility and state tiles per warp. The lean kernel bodies themselves run against the
+// golden on the GPU (test_mimo_bwd_fwd_cuda.cpp) and, with emulated ldmatrix / mma.sync,
+// against the CPU backend on the host (test_mimo_bwd_fwd_emulated.cpp).
 //
 // Only in CUDA builds: the header includes the CUDA fp16 / bf16 headers.
 #ifdef MAMBA3_GOLDEN_CUDA

@@ -1,9 +1,10 @@
 // Host emulation of the warp-collective tensor-core instructions the kernels use (ldmatrix .x4,
 // with and without .trans, and mma.sync m16n8k16 bf16 -> fp32), so that kernel bodies built on
-// them can run on machines without a GPU. Each lane of the emulated warp is a std::thread; a
-// collective instruction is a rendezvous of the 32 lanes: every lane deposits its operands
-// (a row address, or its fragments), all wait, every lane computes its own result from all the
-// deposits, all wait again. Fragment layouts as in the PTX ISA (g = lane / 4, q = lane % 4):
+// them can run on machines without a GPU. The emulator (cta_emulator.hpp / .cpp, shared with the
+// kernel-body tests) runs each lane of a warp as a std::thread; a collective instruction is a
+// rendezvous of the warp's 32 lanes: every lane deposits its operands (a row address, or its
+// fragments), all wait, every lane computes its own result from all the deposits. Fragment
+// layouts as in the PTX ISA (g = lane / 4, q = lane % 4):
 //   ldmatrix .x4: lanes 8j .. 8j+7 give the row addresses of 8x8 matrix j; lane l receives in
 //     register j the elements (l / 4, 2 q) and (l / 4, 2 q + 1) of matrix j (.trans: elements
 //     (2 q, l / 4) and (2 q + 1, l / 4)); the lower column / row in the low 16 bits.
@@ -21,56 +22,17 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <random>
-#include <thread>
 #include <vector>
 
+#include "cta_emulator.hpp"
 #include "cuda/mimo_bwd_fwd_lean.cuh"
 
 namespace mamba3::cuda::mimo {
 namespace {
 
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(m_);
-    const int64_t gen = gen_;
-    if (++count_ == n_) {
-      count_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lock, [&] { return gen_ != gen; });
-    }
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  int n_, count_ = 0;
-  int64_t gen_ = 0;
-};
-
-// One emulated warp (the CTA of these tests): the lanes' deposits and the rendezvous barrier.
-struct Warp {
-  Barrier bar{32};
-  const __nv_bfloat16* ptr[32];
-  uint32_t a[32][4], b[32][2];
-};
-
-thread_local int t_lane = 0;
-Warp* g_warp = nullptr;
-
-uint16_t bits(const __nv_bfloat16* p) {
-  uint16_t u;
-  std::memcpy(&u, p, 2);
-  return u;
-}
 float bf(uint32_t word, int half) {
   const uint32_t u = half ? (word & 0xffff0000u) : (word << 16);
   float f;
@@ -78,74 +40,10 @@ float bf(uint32_t word, int half) {
   return f;
 }
 
-void ldsm(uint32_t (&r)[4], const __nv_bfloat16* p, bool trans) {
-  Warp& w = *g_warp;
-  const int l = t_lane, g = l / 4, q = l % 4;
-  w.ptr[l] = p;
-  w.bar.wait();
-  for (int j = 0; j < 4; ++j) {
-    uint16_t lo, hi;
-    if (!trans) {
-      lo = bits(w.ptr[8 * j + g] + 2 * q);
-      hi = bits(w.ptr[8 * j + g] + 2 * q + 1);
-    } else {
-      lo = bits(w.ptr[8 * j + 2 * q] + g);
-      hi = bits(w.ptr[8 * j + 2 * q + 1] + g);
-    }
-    r[j] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-  }
-  w.bar.wait();
-}
-
-}  // namespace
-
-int mb_tid() { return t_lane; }
-int64_t mb_bid() { return 0; }
-void mb_sync() { g_warp->bar.wait(); }
-
-void ldsm4(uint32_t (&r)[4], const __nv_bfloat16* p) { ldsm(r, p, false); }
-void ldsm4t(uint32_t (&r)[4], const __nv_bfloat16* p) { ldsm(r, p, true); }
-
-void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  Warp& w = *g_warp;
-  const int l = t_lane, g = l / 4, q = l % 4;
-  for (int i = 0; i < 4; ++i) w.a[l][i] = a[i];
-  w.b[l][0] = b0, w.b[l][1] = b1;
-  w.bar.wait();
-  // A[m][k] and B[k][n] of the tile from the lanes' fragments.
-  auto A = [&](int m, int k) {
-    const int lane = (m % 8) * 4 + (k % 8) / 2;
-    const int reg = (m >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-    return bf(w.a[lane][reg], k % 2);
-  };
-  auto B = [&](int k, int n) {
-    const int lane = n * 4 + (k % 8) / 2;
-    return bf(w.b[lane][k >= 8 ? 1 : 0], k % 2);
-  };
-  for (int e = 0; e < 4; ++e) {
-    const int m = g + (e >= 2 ? 8 : 0), n = 2 * q + (e % 2);
-    double s = d[e];
-    for (int k = 0; k < 16; ++k) s += static_cast<double>(A(m, k)) * B(k, n);
-    d[e] = static_cast<float>(s);
-  }
-  w.bar.wait();
-}
-
-namespace {
-
-// Runs body(lane) on the 32 lanes of one emulated warp.
+// Runs body(lane) on the 32 lanes of one emulated warp (a CTA of one warp).
 template <class F>
 void run_warp(F body) {
-  Warp w;
-  g_warp = &w;
-  std::vector<std::thread> lanes;
-  for (int l = 0; l < 32; ++l)
-    lanes.emplace_back([&, l] {
-      t_lane = l;
-      body(l);
-    });
-  for (auto& t : lanes) t.join();
-  g_warp = nullptr;
+  test::emu::launch(1, 32, [&] { body(mb_tid()); });
 }
 
 // A 16 x 16 output tile C = A B (K = 48) through warp_mma_16x16 with A stored [m][k] or [k][m]
