@@ -24,7 +24,9 @@
 #include <vector>
 
 #include "core/mimo_bwd_bwd_params.hpp"
+#include "cta_emulator.hpp"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
+#include "host_operands.hpp"
 #include "mamba3/mamba3.h"
 #include "mamba3_golden/host.hpp"
 #include "mamba3_golden/mimo_bwd_bwd.hpp"
@@ -34,27 +36,7 @@
 namespace mamba3::cuda::bb {
 namespace {
 
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(m_);
-    const int64_t gen = gen_;
-    if (++count_ == n_) {
-      count_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lock, [&] { return gen_ != gen; });
-    }
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  int n_, count_ = 0;
-  int64_t gen_ = 0;
-};
+using test::emu::Barrier;  // the CTA emulator's (cta_emulator.hpp)
 
 thread_local int t_tid = 0;
 thread_local int64_t t_bid = 0;
@@ -112,33 +94,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots) {
   launch(pl.grid4, [&] { bb::reduce_body(a); });
 }
 
-Buffer rand_buf(std::mt19937_64& rng, IoType t, std::vector<int64_t> shape, double lo, double hi,
-                int64_t pad) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  Buffer b = Buffer::from_double(t, std::move(shape), uniform(rng, n, lo, hi, t));
-  return pad > 0 ? b.padded(pad) : b;
-}
-
-// A host Buffer as the library's TensorView (absent when the Buffer has no shape).
-mamba3::TensorView view_of(Buffer& b) {
-  mamba3::TensorView v;
-  if (b.shape.empty()) return v;
-  DLTensor* t = b.tensor();
-  v.data = static_cast<char*>(t->data) + t->byte_offset;
-  v.dtype = b.type == IoType::F16    ? mamba3::DType::F16
-            : b.type == IoType::BF16 ? mamba3::DType::BF16
-                                     : mamba3::DType::F32;
-  v.device = mamba3::DeviceKind::CPU;
-  v.ndim = t->ndim;
-  int64_t stride = 1;
-  for (int d = v.ndim - 1; d >= 0; --d) {
-    v.shape[d] = t->shape[d];
-    v.strides[d] = t->strides ? t->strides[d] : stride;
-    stride *= t->shape[d];
-  }
-  return v;
-}
+using mamba3::test::rand_buf;
+using mamba3::test::view_of;
 
 enum Layout { kReduceO, kPerRank, kPacked };
 

@@ -32,6 +32,7 @@
 #include "cta_emulator.hpp"
 #include "cuda/mimo_bwd_fwd_kernels.cuh"
 #include "cuda/mimo_bwd_fwd_lean.cuh"
+#include "host_operands.hpp"
 #include "mamba3/mamba3.h"
 #include "mamba3_golden/host.hpp"
 
@@ -112,33 +113,8 @@ void emulate(const mamba3::MimoBwdFwdParams& p, const mimo::MbPlan& pl) {
 
 // ------------------------------------------------------------------ operands
 
-Buffer rand_buf(std::mt19937_64& rng, IoType t, std::vector<int64_t> shape, double lo, double hi,
-                int64_t pad) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  Buffer b = Buffer::from_double(t, std::move(shape), uniform(rng, n, lo, hi, t));
-  return pad > 0 ? b.padded(pad) : b;
-}
-
-// A host Buffer as the library's TensorView (absent when the Buffer has no shape).
-mamba3::TensorView view_of(Buffer& b) {
-  mamba3::TensorView v;
-  if (b.shape.empty()) return v;
-  DLTensor* t = b.tensor();
-  v.data = static_cast<char*>(t->data) + t->byte_offset;
-  v.dtype = b.type == IoType::F16    ? mamba3::DType::F16
-            : b.type == IoType::BF16 ? mamba3::DType::BF16
-                                     : mamba3::DType::F32;
-  v.device = mamba3::DeviceKind::CPU;
-  v.ndim = t->ndim;
-  int64_t stride = 1;
-  for (int d = v.ndim - 1; d >= 0; --d) {
-    v.shape[d] = t->shape[d];
-    v.strides[d] = t->strides ? t->strides[d] : stride;
-    stride *= t->shape[d];
-  }
-  return v;
-}
+using mamba3::test::rand_buf;
+using mamba3::test::view_of;
 
 struct Shape {
   int64_t B, S, H, G, N, P, R, C, rdd;
