@@ -7,6 +7,7 @@
 #ifdef MAMBA3_GOLDEN_CUDA
 
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "mamba3/mamba3.h"
 #include "mamba3_golden/host.hpp"
 
 namespace mamba3::test::cuda_ops {
@@ -111,6 +113,31 @@ inline std::vector<unsigned char> compact_of(const Buffer& rev, const std::vecto
     std::copy_n(bytes.data() + off * es, es, out.data() + i * es);
   }
   return out;
+}
+
+// Captures call() (one operator call on `st`, returning its status) into a CUDA graph after
+// poison() and replays the graph twice: every replay must leave results() bitwise equal to
+// `eager` (no allocation, no host synchronisation inside the call).
+template <class Call, class Poison, class Results, class R>
+void expect_graph_replays_match(cudaStream_t st, Call call, Poison poison, Results results,
+                                const R& eager) {
+  poison();
+  ck(cudaDeviceSynchronize(), "sync");
+  cudaGraph_t graph;
+  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), "begin capture");
+  const mamba3_status s = call();
+  const std::string err = mamba3_last_error();
+  ck(cudaStreamEndCapture(st, &graph), "end capture");
+  ASSERT_EQ(s, MAMBA3_OK) << err;
+  cudaGraphExec_t exec;
+  ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (int rep = 0; rep < 2; ++rep) {
+    ck(cudaGraphLaunch(exec, st), "graph launch");
+    ck(cudaStreamSynchronize(st), "sync");
+    EXPECT_TRUE(results() == eager) << "graph replay " << rep << " differs from the eager run";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 
 }  // namespace mamba3::test::cuda_ops

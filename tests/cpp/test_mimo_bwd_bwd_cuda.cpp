@@ -300,23 +300,9 @@ TEST(MimoBwdBwdCuda, GraphCaptureMatchesEager) {
   ck(cudaStreamSynchronize(st), "sync");
   const auto eager = dev.results();
   expect_finite(op, eager);
-  dev.poison();
-  ck(cudaDeviceSynchronize(), "sync");
-  cudaGraph_t graph;
-  ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), "begin capture");
-  const mamba3_status s = dev.call(st, dev.ws_bytes);
-  const std::string err = mamba3_last_error();
-  ck(cudaStreamEndCapture(st, &graph), "end capture");
-  ASSERT_EQ(s, MAMBA3_OK) << err;
-  cudaGraphExec_t exec;
-  ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int rep = 0; rep < 2; ++rep) {
-    ck(cudaGraphLaunch(exec, st), "graph launch");
-    ck(cudaStreamSynchronize(st), "sync");
-    EXPECT_TRUE(dev.results() == eager) << "graph replay " << rep << " differs from the eager run";
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  expect_graph_replays_match(
+      st, [&] { return dev.call(st, dev.ws_bytes); }, [&] { dev.poison(); },
+      [&] { return dev.results(); }, eager);
   cudaStreamDestroy(st);
 #endif
 }
