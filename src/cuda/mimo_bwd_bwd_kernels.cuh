@@ -33,6 +33,7 @@
 
 #include "core/error.hpp"
 #include "core/mimo_bwd_bwd_params.hpp"
+#include "cuda/rt_dtype.cuh"
 
 #if defined(__CUDACC__)
 #define BB_DEV __device__ __forceinline__
@@ -75,29 +76,6 @@ inline void bb_sincos(float x, float* s, float* c) {
 inline int bb_min(int a, int b) { return std::min(a, b); }
 #endif
 
-// Runtime dtype codes (mamba3::DType values): 0 f16, 1 bf16, 2 f32.
-BB_DEV float bb_ld_raw(const unsigned char* p, int64_t off, int dt) {
-#if defined(__CUDA_ARCH__)
-  if (dt == 2) return __ldg(reinterpret_cast<const float*>(p) + off);
-  const unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p) + off);
-#else
-  if (dt == 2) return reinterpret_cast<const float*>(p)[off];
-  const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[off];
-#endif
-  if (dt == 1) return __bfloat162float(__ushort_as_bfloat16(bits));
-  return __half2float(__ushort_as_half(bits));
-}
-
-BB_DEV void bb_st_raw(unsigned char* p, int64_t off, int dt, float v) {
-  if (dt == 2) {
-    reinterpret_cast<float*>(p)[off] = v;
-  } else if (dt == 1) {
-    reinterpret_cast<unsigned short*>(p)[off] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  } else {
-    reinterpret_cast<unsigned short*>(p)[off] = __half_as_ushort(__float2half_rn(v));
-  }
-}
-
 // A tensor as the kernels see it: byte pointer (byte_offset applied), runtime dtype, strides
 // in elements.
 struct View {
@@ -137,8 +115,8 @@ struct ChunkShared {
 
 // ------------------------------------------------------------------ element access
 
-BB_DEV float ld(const View& v, int64_t off) { return bb_ld_raw(v.p, off, v.dt); }
-BB_DEV void st(const View& v, int64_t off, float x) { bb_st_raw(v.p, off, v.dt, x); }
+BB_DEV float ld(const View& v, int64_t off) { return rt_ld(v.p, off, v.dt); }
+BB_DEV void st(const View& v, int64_t off, float x) { rt_st(v.p, off, v.dt, x); }
 BB_DEV int64_t o1(const View& v, int64_t i0) { return i0 * v.s[0]; }
 BB_DEV int64_t o2(const View& v, int64_t i0, int64_t i1) { return i0 * v.s[0] + i1 * v.s[1]; }
 BB_DEV int64_t o3(const View& v, int64_t i0, int64_t i1, int64_t i2) {

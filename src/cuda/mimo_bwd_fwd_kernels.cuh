@@ -41,6 +41,7 @@
 #include <vector_types.h>
 
 #include "core/mimo_bwd_params.hpp"
+#include "cuda/rt_dtype.cuh"
 
 #if defined(__CUDACC__)
 #define MB_DEV __device__ __forceinline__
@@ -75,27 +76,14 @@ int64_t mb_bid();
 void mb_sync();
 #endif
 
-// Runtime dtype codes (mamba3::DType values): 0 f16, 1 bf16, 2 f32.
-MB_DEV float mb_ld(const unsigned char* p, int64_t off, int dt) {
-#if defined(__CUDA_ARCH__)
-  if (dt == 2) return __ldg(reinterpret_cast<const float*>(p) + off);
-  const unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p) + off);
-#else
-  if (dt == 2) return reinterpret_cast<const float*>(p)[off];
-  const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[off];
-#endif
-  if (dt == 1) return __bfloat162float(__ushort_as_bfloat16(bits));
-  return __half2float(__ushort_as_half(bits));
-}
-
-// Compile-time-typed load: DT is one of mb_ld's codes, or negative for the runtime dtype dt. A
+// Compile-time-typed load: DT is one of rt_ld's dtype codes, or negative for the runtime dtype dt. A
 // typed load has no dtype branch, so the loads of a loop body issue back to back (one latency)
 // instead of one basic block, and one full memory latency, per element: the runtime branches
 // made the chunk pass wait on serialized global loads (half of its stall samples, ncu).
 template <int DT>
 MB_DEV float mb_ldt(const unsigned char* p, int64_t off, int dt) {
   if constexpr (DT < 0) {
-    return mb_ld(p, off, dt);
+    return rt_ld(p, off, dt);
   } else if constexpr (DT == 2) {
 #if defined(__CUDA_ARCH__)
     return __ldg(reinterpret_cast<const float*>(p) + off);
@@ -113,16 +101,6 @@ MB_DEV float mb_ldt(const unsigned char* p, int64_t off, int dt) {
   }
 }
 
-MB_DEV void mb_st(unsigned char* p, int64_t off, int dt, float v) {
-  if (dt == 2) {
-    reinterpret_cast<float*>(p)[off] = v;
-  } else if (dt == 1) {
-    reinterpret_cast<unsigned short*>(p)[off] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  } else {
-    reinterpret_cast<unsigned short*>(p)[off] = __half_as_ushort(__float2half_rn(v));
-  }
-}
-
 // A tensor as the kernels see it: byte pointer, runtime dtype, strides in elements.
 struct MbView {
   unsigned char* p = nullptr;
@@ -130,18 +108,18 @@ struct MbView {
   int64_t s[5] = {0, 0, 0, 0, 0};
 };
 
-MB_DEV float ld1(const MbView& v, int64_t i0) { return mb_ld(v.p, i0 * v.s[0], v.dt); }
+MB_DEV float ld1(const MbView& v, int64_t i0) { return rt_ld(v.p, i0 * v.s[0], v.dt); }
 MB_DEV float ld2(const MbView& v, int64_t i0, int64_t i1) {
-  return mb_ld(v.p, i0 * v.s[0] + i1 * v.s[1], v.dt);
+  return rt_ld(v.p, i0 * v.s[0] + i1 * v.s[1], v.dt);
 }
 MB_DEV float ld3(const MbView& v, int64_t i0, int64_t i1, int64_t i2) {
-  return mb_ld(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2], v.dt);
+  return rt_ld(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2], v.dt);
 }
 MB_DEV float ld4(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
-  return mb_ld(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3], v.dt);
+  return rt_ld(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3], v.dt);
 }
 MB_DEV float ld5(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3, int64_t i4) {
-  return mb_ld(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3] + i4 * v.s[4], v.dt);
+  return rt_ld(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3] + i4 * v.s[4], v.dt);
 }
 template <int DT>
 MB_DEV float ld4t(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
@@ -152,11 +130,11 @@ MB_DEV float ld5t(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i
   return mb_ldt<DT>(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3] + i4 * v.s[4], v.dt);
 }
 MB_DEV void st4(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3, float x) {
-  mb_st(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3], v.dt, x);
+  rt_st(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3], v.dt, x);
 }
 MB_DEV void st5(const MbView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3, int64_t i4,
                 float x) {
-  mb_st(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3] + i4 * v.s[4], v.dt, x);
+  rt_st(v.p, i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3] + i4 * v.s[4], v.dt, x);
 }
 
 MB_DEV float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }

@@ -585,8 +585,8 @@ MB_DEV void lean_write_states(const MbArgs& a, const MbCta& k, int c, const Lean
         *reinterpret_cast<__half2*>(reinterpret_cast<__half*>(o.p) + off) = __floats2half2_rn(v0, v1);
       }
     } else {
-      mb_st(o.p, off, o.dt, v0);
-      mb_st(o.p, off + o.s[4], o.dt, v1);
+      rt_st(o.p, off, o.dt, v0);
+      rt_st(o.p, off + o.s[4], o.dt, v1);
     }
   });
 }

@@ -1,0 +1,44 @@
+// Element access with a runtime dtype (mamba3::DType codes: 0 f16, 1 bf16, 2 f32) for the small
+// or rarely read tensors of the MIMO kernels, whose bodies also run on the host in the emulated
+// tests (so: device and host versions of one function, read-only loads through __ldg on the
+// device).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define RT_DEV __device__ __forceinline__
+#else
+#define RT_DEV inline
+#endif
+
+namespace mamba3::cuda {
+
+// Element `off` of the tensor at byte pointer p, as float.
+RT_DEV float rt_ld(const unsigned char* p, int64_t off, int dt) {
+#if defined(__CUDA_ARCH__)
+  if (dt == 2) return __ldg(reinterpret_cast<const float*>(p) + off);
+  const unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p) + off);
+#else
+  if (dt == 2) return reinterpret_cast<const float*>(p)[off];
+  const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[off];
+#endif
+  if (dt == 1) return __bfloat162float(__ushort_as_bfloat16(bits));
+  return __half2float(__ushort_as_half(bits));
+}
+
+// Stores v, rounded to nearest in the tensor's dtype, as element `off`.
+RT_DEV void rt_st(unsigned char* p, int64_t off, int dt, float v) {
+  if (dt == 2) {
+    reinterpret_cast<float*>(p)[off] = v;
+  } else if (dt == 1) {
+    reinterpret_cast<unsigned short*>(p)[off] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  } else {
+    reinterpret_cast<unsigned short*>(p)[off] = __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+}  // namespace mamba3::cuda
