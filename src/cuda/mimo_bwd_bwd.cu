@@ -7,6 +7,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/mimo_bwd.hpp"
+#include "cuda/mimo_bwd_bwd_chunk_planes.cuh"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
 
 namespace mamba3::cuda {
@@ -29,6 +30,13 @@ __global__ void __launch_bounds__(kThreads) bb_scan_kernel(const __grid_constant
 __global__ void __launch_bounds__(kThreads, 3) bb_chunk_kernel(const __grid_constant__ Args a) {
   __shared__ bb::ChunkShared sh;
   bb::chunk_body(a, sh);
+}
+
+// One CTA per SM: its planes take most of the shared memory.
+__global__ void __launch_bounds__(bb::kPlanesThreads, 1)
+    bb_chunk_planes_kernel(const __grid_constant__ Args a) {
+  extern __shared__ __align__(16) unsigned char planes_smem[];
+  bb::chunk_planes_body(a, planes_smem);
 }
 
 __global__ void __launch_bounds__(kThreads) bb_reduce_kernel(const __grid_constant__ Args a) {
@@ -61,8 +69,16 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
   }
   bb_scan_kernel<<<static_cast<unsigned>(pl.grid2), kThreads, 0, st>>>(a);
   check_launch("mimo_bwd_bwd: dstate scan kernel");
-  bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);
-  check_launch("mimo_bwd_bwd: chunk kernel");
+  if (pl.planes) {
+    const int smem = static_cast<int>(pl.ply.bytes);
+    set_smem(reinterpret_cast<const void*>(bb_chunk_planes_kernel), p.device_id, pl.ply.bytes,
+             "mimo_bwd_bwd: cudaFuncSetAttribute(planes chunk kernel)");
+    bb_chunk_planes_kernel<<<static_cast<unsigned>(pl.grid3), bb::kPlanesThreads, smem, st>>>(a);
+    check_launch("mimo_bwd_bwd: planes chunk kernel");
+  } else {
+    bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);
+    check_launch("mimo_bwd_bwd: chunk kernel");
+  }
   bb_reduce_kernel<<<static_cast<unsigned>(pl.grid4), kThreads, 0, st>>>(a);
   check_launch("mimo_bwd_bwd: partials reduction kernel");
 }

@@ -1,0 +1,420 @@
+// K3 of mamba3_mimo_bwd_bwd on the planes kernel: the chunk pass of mimo_bwd_bwd_kernels.cuh
+// (chunk_body: same formulas, same outputs and workspace partials for K4) for 16-bit q, k, v,
+// with every chunk operand in shared memory as bf16 hi/lo planes split once per chunk (why:
+// chunk_body keeps them in fp32 global scratch and splits every operand at every load; see
+// docs/PERF.md, "Design of that chunk kernel"). Products: mimo::warp_mma_16x16 (three bf16
+// mma.m16n8k16 per tile, fp32 accumulation, ~2^-17 relative error per product).
+//
+// One CTA of kPlanesThreads (16 warps) per (b, h, chunk); T = C R rows (zero past the sequence).
+//   phase 0  per-step scalars; planes qh, kh [T][N] (biased, rotated), x, g = dPhiO [T][P],
+//            st = states[c] [N][P]; the chunk's DD partial (sum g x, from the fp32 values)
+//   phase 1  KQ = kh qh^T, XG = x g^T (fp32 [T][T])
+//   phase 2  by tile ownership (the warp that computes an inter-chunk tile in registers goes on
+//            accumulating the intra-chunk product into it, so SG, SX and kh dS are never
+//            stored), with the masked coefficient matrices built one at a time in mc:
+//              dqh = E (g St^T) + M1 kh     (then st is overwritten by dS_c)
+//              dkh = F (x dS^T) + M2 qh
+//              dx  = F ts (kh dS) + M3 g
+//            DDA_CS, DDA_CS_REV and DFACTOR are row sums over those tiles (per-row partials in
+//            shared memory, summed per step in a fixed order); DSSDA, DGAMMA from KQ, XG.
+//   phase 3  dqh, dkh to shared memory (fp32, over the dead qh / kh planes), dx over x: rotation
+//            undone, diagonal terms, DQ, DK, DANGLES, DV and the DMIMO_V partial. The exact fp32
+//            q / k rows these need are reloaded from global memory (L2) instead of kept.
+// Deterministic: fixed tile owners, fixed-order sums, no atomics.
+#pragma once
+
+#include "cuda/bf16_split_mma.cuh"
+#include "cuda/mimo_bwd_bwd_kernels.cuh"
+
+namespace mamba3::cuda::bb {
+
+// Stores x as the split pair (hi, lo) at element e of a planes tile.
+BB_DEV void st_split1(const mimo::SplitTile& t, int e, float x) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(x);
+  t.h[e] = hi;
+  t.h[t.plane + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
+
+// hi + lo of element e (the operand as the products see it).
+BB_DEV float plane_val(const mimo::SplitTile& t, int e) {
+  return __bfloat162float(t.h[e]) + __bfloat162float(t.h[t.plane + e]);
+}
+
+// For a warp's 16 x 16 accumulator tile (rows m0.., columns n0..), the row sums of
+// V[row][col] * acc[row][col] over the tile's 16 columns into part[row * ncol_tiles + n0 / 16].
+// Every lane of the warp calls it.
+BB_DEV void tile_row_dots(const mimo::SplitTile& V, int m0, int n0, const float (&acc)[2][4],
+                          float* part, int ncol_tiles) {
+  const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
+  const int e0 = (m0 + g) * V.ld + n0 + 2 * q, e1 = e0 + 8 * V.ld;
+  float v0 = 0.f, v1 = 0.f;
+  BB_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    v0 += plane_val(V, e0 + 8 * j) * acc[j][0] + plane_val(V, e0 + 8 * j + 1) * acc[j][1];
+    v1 += plane_val(V, e1 + 8 * j) * acc[j][2] + plane_val(V, e1 + 8 * j + 1) * acc[j][3];
+  }
+  v0 += mimo::mb_shfl_xor(v0, 1);
+  v1 += mimo::mb_shfl_xor(v1, 1);
+  v0 += mimo::mb_shfl_xor(v0, 2);
+  v1 += mimo::mb_shfl_xor(v1, 2);
+  if (q == 0) {
+    part[(m0 + g) * ncol_tiles + n0 / 16] = v0;
+    part[(m0 + g + 8) * ncol_tiles + n0 / 16] = v1;
+  }
+}
+
+// acc rows scaled by f[row / R] (rows m0 + g and m0 + g + 8 of the fragment).
+BB_DEV void scale_rows(float (&acc)[2][4], int m0, int R, const float* f) {
+  const int g = (bb_tid() & 31) >> 2;
+  const float s0 = f[(m0 + g) / R], s1 = f[(m0 + g + 8) / R];
+  BB_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    acc[j][0] *= s0;
+    acc[j][1] *= s0;
+    acc[j][2] *= s1;
+    acc[j][3] *= s1;
+  }
+}
+
+// Stores a 16 x 16 accumulator tile into the fp32 matrix out (row stride ld).
+BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int ld) {
+  const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
+  BB_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    float* o = out + (m0 + g) * ld + n0 + 8 * j + 2 * q;
+    o[0] = acc[j][0];
+    o[1] = acc[j][1];
+    o[8 * ld] = acc[j][2];
+    o[8 * ld + 1] = acc[j][3];
+  }
+}
+
+// smem: PlanesLayout::bytes of dynamic shared memory (16-byte aligned); kPlanesThreads threads.
+BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
+  using mimo::SplitTile;
+  using mimo::warp_mma_16x16;
+  const PlanesLayout& Ly = a.ply;
+  const int tid = bb_tid(), warp = tid >> 5;
+  const int N = a.N, P = a.P, R = a.R, C = a.C, A = a.A, half = a.half, T = C * R;
+  const int ldN = Ly.ldN, ldP = Ly.ldP, ldT = Ly.ldT;
+  const int nN = N / 16, nP = P / 16, nT = T / 16;  // 16-wide tiles along N, P, T
+  auto bfp = [&](int off) { return reinterpret_cast<__nv_bfloat16*>(smem + off); };
+  auto flp = [&](int off) { return reinterpret_cast<float*>(smem + off); };
+  const SplitTile Qh{bfp(Ly.qh), T * ldN, ldN}, Kh{bfp(Ly.kh), T * ldN, ldN};
+  const SplitTile X{bfp(Ly.x), T * ldP, ldP}, Gp{bfp(Ly.g), T * ldP, ldP};
+  const SplitTile Sp{bfp(Ly.st), N * ldP, ldP}, Mc{bfp(Ly.mc), T * ldT, ldT};
+  float* KQ = flp(Ly.kq);  // [T][T] kh_a . qh_b
+  float* XG = flp(Ly.xg);  // [T][T] x_a . dPhiO_b
+  float* dqh = flp(Ly.qh);  // phase 3: [T][N]
+  float* dkh = flp(Ly.kh);  // phase 3: [T][N] dL/dkh / ts
+  float* dx = flp(Ly.x);    // from the dx products on: [T][P]
+  float *s_dacs = flp(Ly.dacs), *s_dt = flp(Ly.dt), *s_lam = flp(Ly.lam), *s_E = flp(Ly.E),
+        *s_F = flp(Ly.F), *s_ts = flp(Ly.ts), *s_gam = flp(Ly.gam), *s_qk = flp(Ly.qk),
+        *red = flp(Ly.red);
+  float* part_cs = flp(Ly.part);            // [T][nN] qh . SG
+  float* part_rev = part_cs + T * nN;       // [T][nN] kh . SX
+  float* part_fac = part_rev + T * nN;      // [T][nN] kh . dkh
+
+  const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
+  for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
+    const int c = static_cast<int>(item % a.nch);
+    const int64_t bh = item / a.nch;
+    const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), grp = h / a.HG;
+    const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), TL = L * R;
+    const bool partial = L < C;
+    const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
+    const int64_t NP = static_cast<int64_t>(N) * P;
+    const float* dS = a.ws_ds + item * NP;
+    const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
+    const int64_t k0 = int64_t{b} * a.k.s[0] + int64_t{grp} * a.k.s[3];
+    // Biased q / k element (row = i R + r of this chunk, column n), exact fp32.
+    auto qb_at = [&](int i, int r, int n) {
+      return ld(a.q, q0 + (s0 + i) * a.q.s[1] + r * a.q.s[2] + n * a.q.s[4]) +
+             ld(a.q_bias, o3(a.q_bias, h, r, n));
+    };
+    auto kb_at = [&](int i, int r, int n) {
+      return ld(a.k, k0 + (s0 + i) * a.k.s[1] + r * a.k.s[2] + n * a.k.s[4]) +
+             ld(a.k_bias, o3(a.k_bias, h, r, n));
+    };
+    // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
+    auto Wf = [&](int i, int j) {
+      return expf(partial ? s_dacs[i] - s_dacs[j] : ld(a.segsum, o5(a.segsum, b, h, c, i, j)));
+    };
+
+    // ---- phase 0: per-step inputs, planes
+    for (int i = tid; i < Lx; i += kPlanesThreads) {
+      const int t = s0 + i;
+      if (i < L) s_dacs[i] = ld(a.da_cs, o3(a.da_cs, b, h, t));
+      s_dt[i] = ld(a.dt, o3(a.dt, b, h, t));
+      s_lam[i] = sigmoid_f(ld(a.trap, o3(a.trap, b, h, t)));
+    }
+    for (int e = tid; e < L * R * R; e += kPlanesThreads) {
+      const int i = e / (R * R), r = (e / R) % R, r2 = e % R;
+      s_qk[e] = ld(a.qk_dot, o5(a.qk_dot, b, h, s0 + i, r, r2));
+    }
+    // qh, kh: one task per row and rotation pair (n, half + n), n < half.
+    for (int e = tid; e < T * half; e += kPlanesThreads) {
+      const int row = e / half, n = e % half, i = row / R, r = row % R;
+      float q1 = 0.f, q2 = 0.f, k1 = 0.f, k2 = 0.f;
+      if (row < TL) {
+        q1 = qb_at(i, r, n), q2 = qb_at(i, r, half + n);
+        k1 = kb_at(i, r, n), k2 = kb_at(i, r, half + n);
+        if (n < A) {
+          float sn, cs;
+          bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
+          const float u = q1, w = k1;
+          q1 = u * cs - q2 * sn, q2 = u * sn + q2 * cs;
+          k1 = w * cs - k2 * sn, k2 = w * sn + k2 * cs;
+        }
+      }
+      st_split1(Qh, row * ldN + n, q1);
+      st_split1(Qh, row * ldN + half + n, q2);
+      st_split1(Kh, row * ldN + n, k1);
+      st_split1(Kh, row * ldN + half + n, k2);
+    }
+    const int64_t dps = dphio_pstride(a);
+    float dd_part = 0.f;
+    for (int e = tid; e < T * P; e += kPlanesThreads) {
+      const int row = e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
+      float vx = 0.f, vg = 0.f;
+      if (row < TL) {
+        vx = ld(a.v, o3(a.v, b, t, h) + p * a.v.s[3]) * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
+        vg = ld(a.dout, dphio_row(a, b, t, r, h) + p * dps);
+        if (a.layout == 0) vg *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
+      }
+      dd_part += vg * vx;
+      st_split1(X, row * ldP + p, vx);
+      st_split1(Gp, row * ldP + p, vg);
+    }
+    {
+      const int64_t sb = o3(a.states, b, h, c);
+      for (int e = tid; e < N * P; e += kPlanesThreads) {
+        const int n = e / P, p = e % P;
+        st_split1(Sp, n * ldP + p, ld(a.states, sb + n * a.states.s[3] + p * a.states.s[4]));
+      }
+    }
+    if (a.has_d) {  // uniform over the block; its barriers also end the loads above
+      const float tot = block_sum<kPlanesThreads>(dd_part, red);
+      if (tid == 0) a.ws_dd[item] = tot;
+    } else {
+      bb_sync();
+    }
+    // Decays of the steps; zero past the sequence (those rows are zero, their products too).
+    const float da_last = s_dacs[L - 1];
+    for (int i = tid; i < C; i += kPlanesThreads) {
+      float gam = 0.f, ts = 0.f, E = 0.f, F = 0.f;
+      if (i < L) {
+        gam = s_dt[i] * s_lam[i];
+        ts = gam + (i + 1 < Lx ? s_dt[i + 1] * (1.f - s_lam[i + 1]) : 0.f);
+        E = expf(s_dacs[i]);
+        F = expf(partial ? da_last - s_dacs[i] : ld(a.da_cs_rev, o3(a.da_cs_rev, b, h, s0 + i)));
+      }
+      s_gam[i] = gam, s_ts[i] = ts, s_E[i] = E, s_F[i] = F;
+    }
+
+    // ---- phase 1: KQ, XG (one 16 x 16 tile per warp and task)
+    for (int tile = warp; tile < 2 * nT * nT; tile += kPlanesWarps) {
+      const bool xg = tile >= nT * nT;
+      const int t2 = xg ? tile - nT * nT : tile, m0 = t2 / nT * 16, n0 = t2 % nT * 16;
+      float acc[2][4];
+      mimo::zero_acc(acc);
+      if (xg)
+        warp_mma_16x16<false, false>(acc, X, m0, Gp, n0, 0, P);
+      else
+        warp_mma_16x16<false, false>(acc, Kh, m0, Qh, n0, 0, N);
+      store_tile(acc, m0, n0, xg ? XG : KQ, T);
+    }
+    bb_sync();
+
+    // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
+    for (int e = tid; e < T * T; e += kPlanesThreads) {
+      const int row = e / T, ra = e % T, i = row / R, j = ra / R;
+      st_split1(Mc, row * ldT + ra, j < i && row < TL ? Wf(i, j) * s_ts[j] * XG[ra * T + row] : 0.f);
+    }
+    bb_sync();
+    float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
+    BB_UNROLL
+    for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
+      const int tile = warp + u * kPlanesWarps;
+      mimo::zero_acc(accq[u]);
+      if (tile < nT * nN) {
+        const int m0 = tile / nN * 16, n0 = tile % nN * 16;
+        warp_mma_16x16<false, false>(accq[u], Gp, m0, Sp, n0, 0, P);  // SG = dPhiO St^T
+        tile_row_dots(Qh, m0, n0, accq[u], part_cs, nN);
+        scale_rows(accq[u], m0, R, s_E);
+        // Keys of steps before the tile's last row's step (M1 is zero from there on).
+        const int ke = bb_min(T, ((m0 + 15) / R * R + 15) / 16 * 16);
+        warp_mma_16x16<false, true>(accq[u], Mc, m0, Kh, n0, 0, ke);
+      }
+    }
+    bb_sync();  // st and mc are rewritten next
+
+    // ---- dkh. dS_c replaces states[c]; M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)] (j > i).
+    float dda_part = 0.f;
+    {
+      const int64_t sb = o3(a.states, b, h, c);
+      for (int e = tid; e < N * P; e += kPlanesThreads) {
+        const int n = e / P, p = e % P;
+        const float v = dS[e];
+        dda_part += ld(a.states, sb + n * a.states.s[3] + p * a.states.s[4]) * v;
+        st_split1(Sp, n * ldP + p, v);
+      }
+    }
+    for (int e = tid; e < T * T; e += kPlanesThreads) {
+      const int row = e / T, rb = e % T, i = row / R, j = rb / R;
+      st_split1(Mc, row * ldT + rb, j > i && rb < TL ? Wf(j, i) * XG[row * T + rb] : 0.f);
+    }
+    const float dda = expf(da_last) * block_sum<kPlanesThreads>(dda_part, red);  // + barrier
+    BB_UNROLL
+    for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
+      const int tile = warp + u * kPlanesWarps;
+      mimo::zero_acc(acck[u]);
+      if (tile < nT * nN) {
+        const int m0 = tile / nN * 16, n0 = tile % nN * 16;
+        warp_mma_16x16<false, false>(acck[u], X, m0, Sp, n0, 0, P);  // SX = x dS^T
+        tile_row_dots(Kh, m0, n0, acck[u], part_rev, nN);
+        scale_rows(acck[u], m0, R, s_F);
+        // Queries of steps after the tile's first row's step.
+        const int kb = bb_min(T, (m0 / R + 1) * R) / 16 * 16;
+        warp_mma_16x16<false, true>(acck[u], Mc, m0, Qh, n0, kb, T);
+        tile_row_dots(Kh, m0, n0, acck[u], part_fac, nN);
+      }
+    }
+    bb_sync();  // mc is rewritten next; x is dead (dx goes there)
+
+    // ---- dx. M3[(i,r2)][(j,r)] = W[j][i] ts_i KQ[(i,r2)][(j,r)] (j > i),
+    //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
+    for (int e = tid; e < T * T; e += kPlanesThreads) {
+      const int row = e / T, rb = e % T, i = row / R, j = rb / R, r2 = row % R, r = rb % R;
+      float m = 0.f;
+      if (row < TL && rb < TL) {
+        if (j > i)
+          m = Wf(j, i) * s_ts[i] * KQ[row * T + rb];
+        else if (j == i)
+          m = s_gam[i] * s_qk[(i * R + r) * R + r2] + (r == r2 ? Dh : 0.f);
+      }
+      st_split1(Mc, row * ldT + rb, m);
+    }
+    // Per-step outputs (the row partials are complete since the last barrier).
+    for (int i = tid; i < L; i += kPlanesThreads) {
+      float cs = 0.f, rev = 0.f, fac = 0.f;
+      for (int r = 0; r < R; ++r)
+        for (int nt = 0; nt < nN; ++nt) {
+          const int k = (i * R + r) * nN + nt;
+          cs += part_cs[k], rev += part_rev[k], fac += part_fac[k];
+        }
+      float dgam = 0.f;
+      for (int r = 0; r < R; ++r)
+        for (int r2 = 0; r2 < R; ++r2)
+          dgam += s_qk[(i * R + r) * R + r2] * XG[(i * R + r2) * T + i * R + r];
+      const int t = s0 + i;
+      st(a.dda, o3(a.dda, b, h, t), dda);
+      st(a.dda_cs, o3(a.dda_cs, b, h, t), cs);
+      st(a.dda_cs_rev, o3(a.dda_cs_rev, b, h, t), s_ts[i] * rev);
+      st(a.dfactor, o3(a.dfactor, b, h, t), fac);
+      st(a.dgamma, o3(a.dgamma, b, h, t), dgam);
+    }
+    for (int e = tid; e < C * C; e += kPlanesThreads) {
+      // DSSDA[s, t]: every pair of valid steps, unmasked; rows / columns past the sequence 0.
+      const int s = e / C, tq = e % C;
+      float acc = 0.f;
+      if (s < L && tq < L) {
+        for (int r2 = 0; r2 < R; ++r2)
+          for (int r = 0; r < R; ++r) {
+            const int idx = (s * R + r2) * T + tq * R + r;
+            acc += KQ[idx] * XG[idx];
+          }
+        acc *= s_ts[s];
+      }
+      st(a.dssda, o5(a.dssda, b, h, c, s, tq), acc);
+    }
+    bb_sync();
+    for (int tile = warp; tile < nT * nP; tile += kPlanesWarps) {
+      const int m0 = tile / nP * 16, p0 = tile % nP * 16;
+      float acc[2][4];
+      mimo::zero_acc(acc);
+      warp_mma_16x16<false, true>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
+      scale_rows(acc, m0, R, s_F);
+      scale_rows(acc, m0, R, s_ts);
+      // From the first row's own step on.
+      warp_mma_16x16<false, true>(acc, Mc, m0, Gp, p0, m0 / R * R / 16 * 16, T);
+      store_tile(acc, m0, p0, dx, P);
+    }
+    bb_sync();  // qh / kh planes dead: dqh / dkh go there
+
+    // ---- phase 3
+    BB_UNROLL
+    for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
+      const int tile = warp + u * kPlanesWarps;
+      if (tile < nT * nN) {
+        const int m0 = tile / nN * 16, n0 = tile % nN * 16;
+        store_tile(accq[u], m0, n0, dqh, N);
+        store_tile(acck[u], m0, n0, dkh, N);
+      }
+    }
+    bb_sync();
+    for (int e = tid; e < L * A; e += kPlanesThreads) {
+      // d/dtheta of (u cos - w sin, u sin + w cos) is (-y2, y1) of the rotated pair.
+      const int i = e / A, j = e % A;
+      const float ts = s_ts[i];
+      float sn, cs;
+      bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, j)), &sn, &cs);
+      float acc = 0.f;
+      for (int r = 0; r < R; ++r) {
+        const int base = (i * R + r) * N;
+        const float u1 = qb_at(i, r, j), u2 = qb_at(i, r, half + j);
+        const float w1 = kb_at(i, r, j), w2 = kb_at(i, r, half + j);
+        const float qh1 = u1 * cs - u2 * sn, qh2 = u1 * sn + u2 * cs;
+        const float kh1 = w1 * cs - w2 * sn, kh2 = w1 * sn + w2 * cs;
+        const float gk0 = dkh[base + j] * ts, gk1 = dkh[base + half + j] * ts;
+        acc += dqh[base + half + j] * qh1 - dqh[base + j] * qh2 + gk1 * kh1 - gk0 * kh2;
+      }
+      st(a.dangles, o4(a.dangles, b, s0 + i, h, j), acc);
+    }
+    // DQ, DK: one task per row and rotation pair (n, half + n).
+    for (int e = tid; e < TL * half; e += kPlanesThreads) {
+      const int row = e / half, n = e % half, i = row / R, r = row % R;
+      const int base = row * N;
+      const float ts = s_ts[i], gam = s_gam[i];
+      const float q0 = dqh[base + n], q1 = dqh[base + half + n];
+      const float g0 = dkh[base + n] * ts, g1 = dkh[base + half + n] * ts;
+      float oq[2], ok[2];
+      if (n < A) {
+        float sn, cs;
+        bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
+        oq[0] = q0 * cs + q1 * sn, oq[1] = q1 * cs - q0 * sn;
+        ok[0] = g0 * cs + g1 * sn, ok[1] = g1 * cs - g0 * sn;
+      } else {
+        oq[0] = q0, oq[1] = q1, ok[0] = g0, ok[1] = g1;
+      }
+      const int64_t orow = static_cast<int64_t>(s0 + i) * R + r;
+      for (int side = 0; side < 2; ++side) {
+        const int nn = n + side * half;
+        // Diagonal gamma_i sum qk_dot[i, r, r2] x^r2 with qk_dot = qb . kb (unrotated).
+        for (int r2 = 0; r2 < R; ++r2)
+          oq[side] += (gam * XG[(i * R + r2) * T + row]) * kb_at(i, r2, nn);
+        for (int r1 = 0; r1 < R; ++r1)
+          ok[side] += (gam * XG[row * T + i * R + r1]) * qb_at(i, r1, nn);
+        st(a.dq, o4(a.dq, b, orow, h, nn), oq[side]);
+        st(a.dk, o4(a.dk, b, orow, h, nn), ok[side]);
+      }
+    }
+    for (int e = tid; e < L * P; e += kPlanesThreads) {
+      const int i = e / P, p = e % P;
+      float acc = 0.f;
+      for (int r = 0; r < R; ++r)
+        acc += dx[(i * R + r) * P + p] * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
+      st(a.dv, o4(a.dv, b, s0 + i, h, p), acc);
+    }
+    for (int e = tid; e < R * P; e += kPlanesThreads) {
+      const int r = e / P, p = e % P;
+      float acc = 0.f;
+      for (int i = 0; i < L; ++i)
+        acc += dx[(i * R + r) * P + p] * ld(a.v, o4(a.v, b, s0 + i, h, p));
+      a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
+    }
+    bb_sync();  // shared memory is rewritten for the next chunk
+  }
+}
+
+}  // namespace mamba3::cuda::bb
