@@ -152,25 +152,29 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int i = e / (R * R), r = (e / R) % R, r2 = e % R;
       s_qk[e] = ld(a.qk_dot, o5(a.qk_dot, b, h, s0 + i, r, r2));
     }
-    // qh, kh: one task per row and rotation pair (n, half + n), n < half.
-    for (int e = tid; e < T * half; e += kPlanesThreads) {
-      const int row = e / half, n = e % half, i = row / R, r = row % R;
-      float q1 = 0.f, q2 = 0.f, k1 = 0.f, k2 = 0.f;
-      if (row < TL) {
-        q1 = qb_at(i, r, n), q2 = qb_at(i, r, half + n);
-        k1 = kb_at(i, r, n), k2 = kb_at(i, r, half + n);
-        if (n < A) {
-          float sn, cs;
-          bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
-          const float u = q1, w = k1;
-          q1 = u * cs - q2 * sn, q2 = u * sn + q2 * cs;
-          k1 = w * cs - k2 * sn, k2 = w * sn + k2 * cs;
+    // qh, kh: one task per step and rotation pair (n, half + n), n < half, over the R ranks
+    // (one sincos per step and angle).
+    for (int e = tid; e < C * half; e += kPlanesThreads) {
+      const int i = e / half, n = e % half;
+      float sn = 0.f, cs = 1.f;
+      if (i < L && n < A) bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
+      for (int r = 0; r < R; ++r) {
+        const int row = i * R + r;
+        float q1 = 0.f, q2 = 0.f, k1 = 0.f, k2 = 0.f;
+        if (i < L) {
+          q1 = qb_at(i, r, n), q2 = qb_at(i, r, half + n);
+          k1 = kb_at(i, r, n), k2 = kb_at(i, r, half + n);
+          if (n < A) {
+            const float u = q1, w = k1;
+            q1 = u * cs - q2 * sn, q2 = u * sn + q2 * cs;
+            k1 = w * cs - k2 * sn, k2 = w * sn + k2 * cs;
+          }
         }
+        st_split1(Qh, row * ldN + n, q1);
+        st_split1(Qh, row * ldN + half + n, q2);
+        st_split1(Kh, row * ldN + n, k1);
+        st_split1(Kh, row * ldN + half + n, k2);
       }
-      st_split1(Qh, row * ldN + n, q1);
-      st_split1(Qh, row * ldN + half + n, q2);
-      st_split1(Kh, row * ldN + n, k1);
-      st_split1(Kh, row * ldN + half + n, k2);
     }
     const int64_t dps = dphio_pstride(a);
     float dd_part = 0.f;
@@ -227,9 +231,16 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     bb_sync();
 
     // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
-    for (int e = tid; e < T * T; e += kPlanesThreads) {
-      const int row = e / T, ra = e % T, i = row / R, j = ra / R;
-      st_split1(Mc, row * ldT + ra, j < i && row < TL ? Wf(i, j) * s_ts[j] * XG[ra * T + row] : 0.f);
+    // The coefficient matrices are built by (row, step j) tasks over the R ranks of j: one
+    // exp(segsum) per task, not per element.
+    for (int e = tid; e < T * C; e += kPlanesThreads) {
+      const int row = e / C, j = e % C, i = row / R;
+      const bool live = j < i && row < TL;
+      const float w = live ? Wf(i, j) * s_ts[j] : 0.f;
+      for (int r1 = 0; r1 < R; ++r1) {
+        const int ra = j * R + r1;
+        st_split1(Mc, row * ldT + ra, live ? w * XG[ra * T + row] : 0.f);
+      }
     }
     bb_sync();
     float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
@@ -260,9 +271,14 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         st_split1(Sp, n * ldP + p, v);
       }
     }
-    for (int e = tid; e < T * T; e += kPlanesThreads) {
-      const int row = e / T, rb = e % T, i = row / R, j = rb / R;
-      st_split1(Mc, row * ldT + rb, j > i && rb < TL ? Wf(j, i) * XG[row * T + rb] : 0.f);
+    for (int e = tid; e < T * C; e += kPlanesThreads) {
+      const int row = e / C, j = e % C, i = row / R;
+      const bool live = j > i && j < L;
+      const float w = live ? Wf(j, i) : 0.f;
+      for (int r = 0; r < R; ++r) {
+        const int rb = j * R + r;
+        st_split1(Mc, row * ldT + rb, live ? w * XG[row * T + rb] : 0.f);
+      }
     }
     const float dda = expf(da_last) * block_sum<kPlanesThreads>(dda_part, red);  // + barrier
     BB_UNROLL
@@ -284,16 +300,21 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- dx. M3[(i,r2)][(j,r)] = W[j][i] ts_i KQ[(i,r2)][(j,r)] (j > i),
     //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
-    for (int e = tid; e < T * T; e += kPlanesThreads) {
-      const int row = e / T, rb = e % T, i = row / R, j = rb / R, r2 = row % R, r = rb % R;
-      float m = 0.f;
-      if (row < TL && rb < TL) {
-        if (j > i)
-          m = Wf(j, i) * s_ts[i] * KQ[row * T + rb];
-        else if (j == i)
-          m = s_gam[i] * s_qk[(i * R + r) * R + r2] + (r == r2 ? Dh : 0.f);
+    for (int e = tid; e < T * C; e += kPlanesThreads) {
+      const int row = e / C, j = e % C, i = row / R, r2 = row % R;
+      const bool live = row < TL && j < L;
+      const float w = live && j > i ? Wf(j, i) * s_ts[i] : 0.f;
+      for (int r = 0; r < R; ++r) {
+        const int rb = j * R + r;
+        float m = 0.f;
+        if (live) {
+          if (j > i)
+            m = w * KQ[row * T + rb];
+          else if (j == i)
+            m = s_gam[i] * s_qk[(i * R + r) * R + r2] + (r == r2 ? Dh : 0.f);
+        }
+        st_split1(Mc, row * ldT + rb, m);
       }
-      st_split1(Mc, row * ldT + rb, m);
     }
     // Per-step outputs (the row partials are complete since the last barrier).
     for (int i = tid; i < L; i += kPlanesThreads) {
@@ -353,51 +374,62 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       }
     }
     bb_sync();
-    for (int e = tid; e < L * A; e += kPlanesThreads) {
-      // d/dtheta of (u cos - w sin, u sin + w cos) is (-y2, y1) of the rotated pair.
-      const int i = e / A, j = e % A;
-      const float ts = s_ts[i];
-      float sn, cs;
-      bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, j)), &sn, &cs);
-      float acc = 0.f;
-      for (int r = 0; r < R; ++r) {
-        const int base = (i * R + r) * N;
-        const float u1 = qb_at(i, r, j), u2 = qb_at(i, r, half + j);
-        const float w1 = kb_at(i, r, j), w2 = kb_at(i, r, half + j);
-        const float qh1 = u1 * cs - u2 * sn, qh2 = u1 * sn + u2 * cs;
-        const float kh1 = w1 * cs - w2 * sn, kh2 = w1 * sn + w2 * cs;
-        const float gk0 = dkh[base + j] * ts, gk1 = dkh[base + half + j] * ts;
-        acc += dqh[base + half + j] * qh1 - dqh[base + j] * qh2 + gk1 * kh1 - gk0 * kh2;
-      }
-      st(a.dangles, o4(a.dangles, b, s0 + i, h, j), acc);
-    }
-    // DQ, DK: one task per row and rotation pair (n, half + n).
-    for (int e = tid; e < TL * half; e += kPlanesThreads) {
-      const int row = e / half, n = e % half, i = row / R, r = row % R;
-      const int base = row * N;
+    // DQ, DK, DANGLES: one task per step and rotation pair (n, half + n) over the R ranks, so
+    // that the exact q / k rows of the diagonal terms are loaded once per task (R each), not
+    // once per output row, and one sincos serves the step.
+    for (int e = tid; e < L * half; e += kPlanesThreads) {
+      const int i = e / half, n = e % half;
       const float ts = s_ts[i], gam = s_gam[i];
-      const float q0 = dqh[base + n], q1 = dqh[base + half + n];
-      const float g0 = dkh[base + n] * ts, g1 = dkh[base + half + n] * ts;
-      float oq[2], ok[2];
-      if (n < A) {
-        float sn, cs;
-        bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
-        oq[0] = q0 * cs + q1 * sn, oq[1] = q1 * cs - q0 * sn;
-        ok[0] = g0 * cs + g1 * sn, ok[1] = g1 * cs - g0 * sn;
-      } else {
-        oq[0] = q0, oq[1] = q1, ok[0] = g0, ok[1] = g1;
+      const bool rot = n < A;
+      float sn = 0.f, cs = 1.f;
+      if (rot) bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
+      float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];  // biased, unrotated
+      BB_UNROLL
+      for (int r = 0; r < kMaxR; ++r) {
+        if (r < R) {
+          qb1[r] = qb_at(i, r, n), qb2[r] = qb_at(i, r, half + n);
+          kb1[r] = kb_at(i, r, n), kb2[r] = kb_at(i, r, half + n);
+        }
       }
-      const int64_t orow = static_cast<int64_t>(s0 + i) * R + r;
-      for (int side = 0; side < 2; ++side) {
-        const int nn = n + side * half;
-        // Diagonal gamma_i sum qk_dot[i, r, r2] x^r2 with qk_dot = qb . kb (unrotated).
-        for (int r2 = 0; r2 < R; ++r2)
-          oq[side] += (gam * XG[(i * R + r2) * T + row]) * kb_at(i, r2, nn);
-        for (int r1 = 0; r1 < R; ++r1)
-          ok[side] += (gam * XG[row * T + i * R + r1]) * qb_at(i, r1, nn);
-        st(a.dq, o4(a.dq, b, orow, h, nn), oq[side]);
-        st(a.dk, o4(a.dk, b, orow, h, nn), ok[side]);
+      float dang = 0.f;
+      BB_UNROLL
+      for (int r = 0; r < kMaxR; ++r) {
+        if (r < R) {
+          const int row = i * R + r, base = row * N;
+          const float q0 = dqh[base + n], q1 = dqh[base + half + n];
+          const float g0 = dkh[base + n] * ts, g1 = dkh[base + half + n] * ts;
+          float oq0 = q0, oq1 = q1, ok0 = g0, ok1 = g1;
+          if (rot) {
+            oq0 = q0 * cs + q1 * sn, oq1 = q1 * cs - q0 * sn;
+            ok0 = g0 * cs + g1 * sn, ok1 = g1 * cs - g0 * sn;
+            // d/dtheta of (u cos - w sin, u sin + w cos) is (-y2, y1) of the rotated pair.
+            const float qh1 = qb1[r] * cs - qb2[r] * sn, qh2 = qb1[r] * sn + qb2[r] * cs;
+            const float kh1 = kb1[r] * cs - kb2[r] * sn, kh2 = kb1[r] * sn + kb2[r] * cs;
+            dang += q1 * qh1 - q0 * qh2 + g1 * kh1 - g0 * kh2;
+          }
+          // Diagonal gamma_i sum qk_dot[i, r, r2] x^r2 with qk_dot = qb . kb (unrotated).
+          BB_UNROLL
+          for (int r2 = 0; r2 < kMaxR; ++r2) {
+            if (r2 < R) {
+              const float xq = gam * XG[(i * R + r2) * T + row];
+              oq0 += xq * kb1[r2], oq1 += xq * kb2[r2];
+            }
+          }
+          BB_UNROLL
+          for (int r1 = 0; r1 < kMaxR; ++r1) {
+            if (r1 < R) {
+              const float xk = gam * XG[row * T + i * R + r1];
+              ok0 += xk * qb1[r1], ok1 += xk * qb2[r1];
+            }
+          }
+          const int64_t orow = static_cast<int64_t>(s0 + i) * R + r;
+          st(a.dq, o4(a.dq, b, orow, h, n), oq0);
+          st(a.dq, o4(a.dq, b, orow, h, half + n), oq1);
+          st(a.dk, o4(a.dk, b, orow, h, n), ok0);
+          st(a.dk, o4(a.dk, b, orow, h, half + n), ok1);
+        }
       }
+      if (rot) st(a.dangles, o4(a.dangles, b, s0 + i, h, n), dang);
     }
     for (int e = tid; e < L * P; e += kPlanesThreads) {
       const int i = e / P, p = e % P;
