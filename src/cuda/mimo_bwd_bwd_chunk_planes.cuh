@@ -89,6 +89,26 @@ BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int
   }
 }
 
+// For e = tid, tid + NT, ... < n: the loads of a group of U elements are all issued before any
+// of the group's stores (why: with one CTA per SM, a load-then-store chain per element would keep
+// one global load in flight per thread).
+template <int U, class Load, class Store>
+BB_DEV void batched_elements(int n, Load load, Store store) {
+  for (int e0 = bb_tid(); e0 < n; e0 += U * kPlanesThreads) {
+    decltype(load(0)) v[U] = {};
+    BB_UNROLL
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * kPlanesThreads;
+      if (e < n) v[u] = load(e);
+    }
+    BB_UNROLL
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * kPlanesThreads;
+      if (e < n) store(e, v[u]);
+    }
+  }
+}
+
 // smem: PlanesLayout::bytes of dynamic shared memory (16-byte aligned); kPlanesThreads threads.
 BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
   using mimo::SplitTile;
@@ -158,45 +178,56 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int i = e / half, n = e % half;
       float sn = 0.f, cs = 1.f;
       if (i < L && n < A) bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
-      for (int r = 0; r < R; ++r) {
-        const int row = i * R + r;
-        float q1 = 0.f, q2 = 0.f, k1 = 0.f, k2 = 0.f;
-        if (i < L) {
-          q1 = qb_at(i, r, n), q2 = qb_at(i, r, half + n);
-          k1 = kb_at(i, r, n), k2 = kb_at(i, r, half + n);
-          if (n < A) {
-            const float u = q1, w = k1;
-            q1 = u * cs - q2 * sn, q2 = u * sn + q2 * cs;
-            k1 = w * cs - k2 * sn, k2 = w * sn + k2 * cs;
-          }
+      float q1[kMaxR] = {}, q2[kMaxR] = {}, k1[kMaxR] = {}, k2[kMaxR] = {};  // loads first
+      BB_UNROLL
+      for (int r = 0; r < kMaxR; ++r) {
+        if (r < R && i < L) {
+          q1[r] = qb_at(i, r, n), q2[r] = qb_at(i, r, half + n);
+          k1[r] = kb_at(i, r, n), k2[r] = kb_at(i, r, half + n);
         }
-        st_split1(Qh, row * ldN + n, q1);
-        st_split1(Qh, row * ldN + half + n, q2);
-        st_split1(Kh, row * ldN + n, k1);
-        st_split1(Kh, row * ldN + half + n, k2);
+      }
+      BB_UNROLL
+      for (int r = 0; r < kMaxR; ++r) {
+        if (r < R) {
+          const int row = i * R + r;
+          float a1 = q1[r], a2 = q2[r], b1 = k1[r], b2 = k2[r];
+          if (n < A) {
+            a1 = q1[r] * cs - q2[r] * sn, a2 = q1[r] * sn + q2[r] * cs;
+            b1 = k1[r] * cs - k2[r] * sn, b2 = k1[r] * sn + k2[r] * cs;
+          }
+          st_split1(Qh, row * ldN + n, a1);
+          st_split1(Qh, row * ldN + half + n, a2);
+          st_split1(Kh, row * ldN + n, b1);
+          st_split1(Kh, row * ldN + half + n, b2);
+        }
       }
     }
     const int64_t dps = dphio_pstride(a);
     float dd_part = 0.f;
-    for (int e = tid; e < T * P; e += kPlanesThreads) {
-      const int row = e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
-      float vx = 0.f, vg = 0.f;
-      if (row < TL) {
-        vx = ld(a.v, o3(a.v, b, t, h) + p * a.v.s[3]) * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
-        vg = ld(a.dout, dphio_row(a, b, t, r, h) + p * dps);
-        if (a.layout == 0) vg *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
-      }
-      dd_part += vg * vx;
-      st_split1(X, row * ldP + p, vx);
-      st_split1(Gp, row * ldP + p, vg);
-    }
-    {
-      const int64_t sb = o3(a.states, b, h, c);
-      for (int e = tid; e < N * P; e += kPlanesThreads) {
-        const int n = e / P, p = e % P;
-        st_split1(Sp, n * ldP + p, ld(a.states, sb + n * a.states.s[3] + p * a.states.s[4]));
-      }
-    }
+    batched_elements<4>(
+        T * P,
+        [&](int e) {  // (x, dPhiO)
+          const int row = e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
+          float2 xg = make_float2(0.f, 0.f);
+          if (row < TL) {
+            xg.x = ld(a.v, o3(a.v, b, t, h) + p * a.v.s[3]) * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
+            xg.y = ld(a.dout, dphio_row(a, b, t, r, h) + p * dps);
+            if (a.layout == 0) xg.y *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
+          }
+          return xg;
+        },
+        [&](int e, float2 xg) {
+          const int row = e / P, p = e % P;
+          dd_part += xg.y * xg.x;
+          st_split1(X, row * ldP + p, xg.x);
+          st_split1(Gp, row * ldP + p, xg.y);
+        });
+    const int64_t sb = o3(a.states, b, h, c);
+    auto state_at = [&](int e) {
+      return ld(a.states, sb + (e / P) * a.states.s[3] + (e % P) * a.states.s[4]);
+    };
+    batched_elements<4>(
+        N * P, state_at, [&](int e, float v) { st_split1(Sp, e / P * ldP + e % P, v); });
     if (a.has_d) {  // uniform over the block; its barriers also end the loads above
       const float tot = block_sum<kPlanesThreads>(dd_part, red);
       if (tid == 0) a.ws_dd[item] = tot;
@@ -262,15 +293,12 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- dkh. dS_c replaces states[c]; M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)] (j > i).
     float dda_part = 0.f;
-    {
-      const int64_t sb = o3(a.states, b, h, c);
-      for (int e = tid; e < N * P; e += kPlanesThreads) {
-        const int n = e / P, p = e % P;
-        const float v = dS[e];
-        dda_part += ld(a.states, sb + n * a.states.s[3] + p * a.states.s[4]) * v;
-        st_split1(Sp, n * ldP + p, v);
-      }
-    }
+    batched_elements<4>(
+        N * P, [&](int e) { return make_float2(state_at(e), dS[e]); },
+        [&](int e, float2 sd) {
+          dda_part += sd.x * sd.y;
+          st_split1(Sp, e / P * ldP + e % P, sd.y);
+        });
     for (int e = tid; e < T * C; e += kPlanesThreads) {
       const int row = e / C, j = e % C, i = row / R;
       const bool live = j > i && j < L;

@@ -345,6 +345,12 @@ TEST(MimoBwdBwdEmulated, PlanesKernelTwoTilesPerWarp) {
              K3::Planes);
 }
 
+// The planes kernel at the reference shape N128 P64 R4 C16 (a full chunk and a partial one).
+TEST(MimoBwdBwdEmulated, PlanesKernelReferenceShape) {
+  check_case(Shape{1, 20, 1, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, IoType::BF16, IoType::F32},
+             301, bb::kMaxSlots, K3::Planes);
+}
+
 // The plan takes the planes kernel for SPEC.md's grid at 16-bit q, k, v (its planes fit the
 // shared memory), and not for fp32 activations or rows it cannot tile.
 TEST(MimoBwdBwdEmulated, PlanPicksPlanesKernel) {
