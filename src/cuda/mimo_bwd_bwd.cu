@@ -1,6 +1,7 @@
 // CUDA backend of mamba3_mimo_bwd_bwd (seed 001): host entry points and kernel launches. The
 // design (four kernels, workspace layout) is described in mimo_bwd_bwd_kernels.cuh, which holds
 // the kernel bodies and the launch plan.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -62,6 +63,12 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
   DeviceGuard guard(p.device_id);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Args a = bb::make_args(p, pl, workspace);
+  const DeviceProps& dev = device_props(p.device_id);
+  // Checked before anything is launched (the plan, like the workspace query, knows no device).
+  if (pl.planes && static_cast<int64_t>(dev.smem_optin) < pl.ply.bytes)
+    MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, "mimo_bwd_bwd: the chunk kernel needs ", pl.ply.bytes,
+                " bytes of shared memory per block, this device allows ", dev.smem_optin,
+                " (MAMBA3_BB_PLANES=0 selects the kernel that needs less)");
 
   if (pl.grid1 > 0) {
     bb_increment_kernel<<<static_cast<unsigned>(pl.grid1), kThreads, pl.smem1, st>>>(a);
@@ -71,9 +78,11 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
   check_launch("mimo_bwd_bwd: dstate scan kernel");
   if (pl.planes) {
     const int smem = static_cast<int>(pl.ply.bytes);
+    // One CTA per SM (its shared memory), grid-stride over the chunks.
+    const int64_t grid = std::min<int64_t>(pl.grid3, dev.sms);
     set_smem(reinterpret_cast<const void*>(bb_chunk_planes_kernel), p.device_id, pl.ply.bytes,
              "mimo_bwd_bwd: cudaFuncSetAttribute(planes chunk kernel)");
-    bb_chunk_planes_kernel<<<static_cast<unsigned>(pl.grid3), bb::kPlanesThreads, smem, st>>>(a);
+    bb_chunk_planes_kernel<<<static_cast<unsigned>(grid), bb::kPlanesThreads, smem, st>>>(a);
     check_launch("mimo_bwd_bwd: planes chunk kernel");
   } else {
     bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);

@@ -5,7 +5,9 @@
 // docs/PERF.md, "Design of that chunk kernel"). Products: mimo::warp_mma_16x16 (three bf16
 // mma.m16n8k16 per tile, fp32 accumulation, ~2^-17 relative error per product).
 //
-// One CTA of kPlanesThreads (16 warps) per (b, h, chunk); T = C R rows (zero past the sequence).
+// One CTA of kPlanesThreads (16 warps) per SM, grid-stride over the (b, h, chunk) items (the
+// next item's inputs are prefetched to L2 during this one's phase 3); T = C R rows (zero past
+// the sequence).
 //   phase 0  per-step scalars; planes qh, kh [T][N] (biased, rotated), x, g = dPhiO [T][P],
 //            st = states[c] [N][P]; the chunk's DD partial (sum g x, from the fp32 values)
 //   phase 1  KQ = kh qh^T, XG = x g^T (fp32 [T][T])
@@ -106,6 +108,65 @@ BB_DEV void batched_elements(int n, Load load, Store store) {
       const int e = e0 + u * kPlanesThreads;
       if (e < n) store(e, v[u]);
     }
+  }
+}
+
+#if defined(__CUDA_ARCH__)
+BB_DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#else
+inline void prefetch_l2(const void*) {}  // a hint: nothing to emulate
+#endif
+
+// Asks L2 for the inputs of chunk `item` (q, k rows, v, dPhiO rows, states[c], dS_c, segsum and
+// angle rows, per-step scalars), one request per 128-byte line of each row. Called by a CTA for
+// its next chunk during the current one's phase 3 (why: one CTA per SM, so nothing else overlaps
+// its load phases with DRAM latency; served from L2 they should be ~2x shorter: not measured).
+BB_DEV void prefetch_item(const Args& a, int64_t item) {
+  const int c = static_cast<int>(item % a.nch);
+  const int64_t bh = item / a.nch;
+  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), grp = h / a.HG;
+  const int R = a.R, N = a.N, P = a.P, s0 = c * a.C, L = bb_min(a.C, a.S - s0);
+  const bool partial = L < a.C;
+  const int LR = L * R, nd = a.layout == 0 ? L : LR;
+  const int64_t NP = static_cast<int64_t>(N) * P;
+  // Row groups, in order: q, k (L R rows of N), v (L of P), dPhiO (nd of P), states (N of P),
+  // segsum (L of C, whole chunks only), angles (L of A), da_cs / dt / trap (one row of L each),
+  // dS_c (NP / 32 lines of fp32).
+  const int g_q = LR, g_k = g_q + LR, g_v = g_k + L, g_d = g_v + nd, g_s = g_d + N,
+            g_w = g_s + (partial ? 0 : L), g_a = g_w + L, g_t = g_a + 3;
+  const int total = g_t + static_cast<int>((NP + 31) / 32);
+  for (int e = bb_tid(); e < total; e += kPlanesThreads) {
+    if (e >= g_t) {
+      prefetch_l2(a.ws_ds + item * NP + static_cast<int64_t>(e - g_t) * 32);
+      continue;
+    }
+    const View* v;
+    int64_t off, stride;
+    int cnt;
+    if (e < g_k) {
+      const int row = e < g_q ? e : e - g_q, i = row / R, r = row % R;
+      v = e < g_q ? &a.q : &a.k;
+      off = int64_t{b} * v->s[0] + (s0 + i) * v->s[1] + r * v->s[2] + int64_t{grp} * v->s[3];
+      stride = v->s[4], cnt = N;
+    } else if (e < g_v) {
+      v = &a.v, off = o3(a.v, b, s0 + e - g_k, h), stride = a.v.s[3], cnt = P;
+    } else if (e < g_d) {
+      const int row = e - g_v, i = a.layout == 0 ? row : row / R, r = a.layout == 0 ? 0 : row % R;
+      v = &a.dout, off = dphio_row(a, b, s0 + i, r, h), stride = dphio_pstride(a), cnt = P;
+    } else if (e < g_s) {
+      v = &a.states, off = o4(a.states, b, h, c, e - g_d), stride = a.states.s[4], cnt = P;
+    } else if (e < g_w) {
+      v = &a.segsum, off = o5(a.segsum, b, h, c, e - g_s, 0), stride = a.segsum.s[4], cnt = a.C;
+    } else if (e < g_a) {
+      v = &a.angles, off = o4(a.angles, b, s0 + e - g_w, h, 0), stride = a.angles.s[3], cnt = a.A;
+    } else {
+      v = e == g_a ? &a.da_cs : e == g_a + 1 ? &a.dt : &a.trap;
+      off = o3(*v, b, h, s0), stride = v->s[2], cnt = L;
+    }
+    const int es = v->dt == 2 ? 4 : 2;
+    const int64_t span = (stride < 0 ? -stride : stride) * es;
+    const int step = span >= 128 || span == 0 ? 1 : static_cast<int>(128 / span);
+    for (int k = 0; k < cnt; k += step) prefetch_l2(v->p + (off + k * stride) * es);
   }
 }
 
@@ -401,6 +462,8 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         store_tile(acck[u], m0, n0, dkh, N);
       }
     }
+    // Here, not earlier: the accumulators are dead (no registers to spare in phase 2).
+    if (item + bb_nblocks() < total) prefetch_item(a, item + bb_nblocks());
     bb_sync();
     // DQ, DK, DANGLES: one task per step and rotation pair (n, half + n) over the R ranks, so
     // that the exact q / k rows of the diagonal terms are loaded once per task (R each), not

@@ -82,7 +82,9 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3) {
   if (pl.planes) {
     // 0xff bytes: NaN as fp32 and as bf16 (a read before a write shows up).
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.bytes), 0xff);
-    launch(pl.grid3, bb::kPlanesThreads, [&] { bb::chunk_planes_body(a, smem.data()); });
+    // The device launches one CTA per SM (grid-stride); max_slots stands in for the SM count.
+    launch(std::min(pl.grid3, max_slots), bb::kPlanesThreads,
+           [&] { bb::chunk_planes_body(a, smem.data()); });
   } else {
     auto sh = std::make_unique<bb::ChunkShared>();
     launch(pl.grid3, bb::kThreads, [&] { bb::chunk_body(a, *sh); });
@@ -308,7 +310,10 @@ TEST(MimoBwdBwdEmulated, KernelBodiesMatchTheCpuBackend) {
 
 // More chunks than K3 CTAs: the grid-stride loop reuses each CTA's scratch slot (the cap is
 // lowered to 3 CTAs here; the device tests reach the real cap of kMaxSlots = 396), many chunks per (b, h).
+// The planes kernel likewise walks several chunks per CTA (and prefetches the next one's inputs).
 TEST(MimoBwdBwdEmulated, GridStrideOverManyChunks) {
+  check_case(Shape{2, 50, 2, 1, 16, 16, 1, 16, 2, kPacked, true, 1, IoType::BF16, IoType::F32},
+             44, 3, K3::Planes);
   check_case(Shape{1, 83, 2, 1, 8, 4, 2, 8, 4, kReduceO, true, 0, IoType::F32, IoType::F32}, 41,
              3);
   check_case(Shape{2, 50, 2, 2, 16, 8, 1, 16, 2, kPacked, false, 1, IoType::BF16, IoType::F32},
