@@ -22,6 +22,12 @@ __global__ void __launch_bounds__(kThreads) bb_increment_kernel(const __grid_con
   bb::increment_body(a, smem);
 }
 
+__global__ void __launch_bounds__(bb::kIncPlanesThreads)
+    bb_increment_planes_kernel(const __grid_constant__ Args a) {
+  extern __shared__ __align__(16) unsigned char inc_planes_smem[];
+  bb::increment_planes_body(a, inc_planes_smem);
+}
+
 __global__ void __launch_bounds__(kThreads) bb_scan_kernel(const __grid_constant__ Args a) {
   bb::scan_body(a);
 }
@@ -70,7 +76,13 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
                 " bytes of shared memory per block, this device allows ", dev.smem_optin,
                 " (MAMBA3_BB_PLANES=0 selects the kernel that needs less)");
 
-  if (pl.grid1 > 0) {
+  if (pl.grid1 > 0 && pl.planes) {
+    set_smem(reinterpret_cast<const void*>(bb_increment_planes_kernel), p.device_id,
+             pl.ply.inc_bytes, "mimo_bwd_bwd: cudaFuncSetAttribute(planes increment kernel)");
+    bb_increment_planes_kernel<<<static_cast<unsigned>(pl.grid1), bb::kIncPlanesThreads,
+                                 pl.ply.inc_bytes, st>>>(a);
+    check_launch("mimo_bwd_bwd: planes state increment kernel");
+  } else if (pl.grid1 > 0) {
     bb_increment_kernel<<<static_cast<unsigned>(pl.grid1), kThreads, pl.smem1, st>>>(a);
     check_launch("mimo_bwd_bwd: state increment kernel");
   }

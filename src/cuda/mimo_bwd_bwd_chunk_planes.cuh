@@ -94,18 +94,18 @@ BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int
 // For e = tid, tid + NT, ... < n: the loads of a group of U elements are all issued before any
 // of the group's stores (why: with one CTA per SM, a load-then-store chain per element would keep
 // one global load in flight per thread).
-template <int U, class Load, class Store>
+template <int U, int NT = kPlanesThreads, class Load, class Store>
 BB_DEV void batched_elements(int n, Load load, Store store) {
-  for (int e0 = bb_tid(); e0 < n; e0 += U * kPlanesThreads) {
+  for (int e0 = bb_tid(); e0 < n; e0 += U * NT) {
     decltype(load(0)) v[U] = {};
     BB_UNROLL
     for (int u = 0; u < U; ++u) {
-      const int e = e0 + u * kPlanesThreads;
+      const int e = e0 + u * NT;
       if (e < n) v[u] = load(e);
     }
     BB_UNROLL
     for (int u = 0; u < U; ++u) {
-      const int e = e0 + u * kPlanesThreads;
+      const int e = e0 + u * NT;
       if (e < n) store(e, v[u]);
     }
   }
@@ -167,6 +167,78 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
     const int64_t span = (stride < 0 ? -stride : stride) * es;
     const int step = span >= 128 || span == 0 ? 1 : static_cast<int>(128 / span);
     for (int k = 0; k < cnt; k += step) prefetch_l2(v->p + (off + k * stride) * es);
+  }
+}
+
+// K1 on planes: U_c = sum over the chunk's rows of (E_i qh_i^r) (x) dPhiO_i^r (as increment_body),
+// one CTA of kIncPlanesThreads per (b, h, c), c >= 1; E qh and dPhiO split into planes once, U in
+// 16 x 16 mma tiles (E qh read transposed: the contraction runs along its rows).
+// smem: PlanesLayout::inc_bytes.
+BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
+  constexpr int NT = kIncPlanesThreads;
+  const int64_t item = bb_bid();  // = bh * nch + c
+  const int c = static_cast<int>(item % a.nch);
+  if (c == 0) return;  // U_0 would only feed the state entering chunk 0, which nothing reads
+  const PlanesLayout& Ly = a.ply;
+  const int tid = bb_tid(), warp = tid >> 5;
+  const int64_t bh = item / a.nch;
+  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), grp = h / a.HG;
+  const int N = a.N, P = a.P, R = a.R, C = a.C, A = a.A, half = a.half, T = C * R;
+  const int s0 = c * C, L = bb_min(C, a.S - s0), TL = L * R;
+  const int ldN = Ly.ldN, ldP = Ly.ldP;
+  const mimo::SplitTile EQ{reinterpret_cast<__nv_bfloat16*>(smem), T * ldN, ldN};
+  const mimo::SplitTile Gp{reinterpret_cast<__nv_bfloat16*>(smem + Ly.inc_g), T * ldP, ldP};
+  float* s_E = reinterpret_cast<float*>(smem + Ly.inc_E);
+  for (int i = tid; i < L; i += NT) s_E[i] = expf(ld(a.da_cs, o3(a.da_cs, b, h, s0 + i)));
+  const int64_t dps = dphio_pstride(a);
+  batched_elements<4, NT>(
+      T * P,
+      [&](int e) {
+        const int row = e / P, p = e % P, i = row / R, r = row % R;
+        float vg = 0.f;
+        if (row < TL) {
+          vg = ld(a.dout, dphio_row(a, b, s0 + i, r, h) + p * dps);
+          if (a.layout == 0) vg *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
+        }
+        return vg;
+      },
+      [&](int e, float vg) { st_split1(Gp, e / P * ldP + e % P, vg); });
+  bb_sync();  // s_E
+  const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
+  for (int e = tid; e < C * half; e += NT) {
+    const int i = e / half, n = e % half;
+    float sn = 0.f, cs = 1.f;
+    if (i < L && n < A) bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
+    float q1[kMaxR] = {}, q2[kMaxR] = {};  // loads first
+    BB_UNROLL
+    for (int r = 0; r < kMaxR; ++r) {
+      if (r < R && i < L) {
+        const int64_t o = q0 + (s0 + i) * a.q.s[1] + r * a.q.s[2];
+        q1[r] = ld(a.q, o + n * a.q.s[4]) + ld(a.q_bias, o3(a.q_bias, h, r, n));
+        q2[r] = ld(a.q, o + (half + n) * a.q.s[4]) + ld(a.q_bias, o3(a.q_bias, h, r, half + n));
+      }
+    }
+    const float E = i < L ? s_E[i] : 0.f;
+    BB_UNROLL
+    for (int r = 0; r < kMaxR; ++r) {
+      if (r < R) {
+        const int row = i * R + r;
+        float a1 = q1[r], a2 = q2[r];
+        if (n < A) a1 = q1[r] * cs - q2[r] * sn, a2 = q1[r] * sn + q2[r] * cs;
+        st_split1(EQ, row * ldN + n, E * a1);
+        st_split1(EQ, row * ldN + half + n, E * a2);
+      }
+    }
+  }
+  bb_sync();
+  float* U = a.ws_ds + item * static_cast<int64_t>(N) * P;
+  const int nP = P / 16;
+  for (int tile = warp; tile < (N / 16) * nP; tile += NT / 32) {
+    const int m0 = tile / nP * 16, n0 = tile % nP * 16;
+    float acc[2][4];
+    mimo::zero_acc(acc);
+    mimo::warp_mma_16x16<true, true>(acc, EQ, m0, Gp, n0, 0, T);
+    store_tile(acc, m0, n0, U, P);
   }
 }
 

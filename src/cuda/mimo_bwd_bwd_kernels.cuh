@@ -84,6 +84,7 @@ inline int bb_min(int a, int b) { return std::min(a, b); }
 // (b, h, chunk), every chunk operand in shared memory as bf16 hi/lo planes. Byte offsets of its
 // regions in dynamic shared memory, computed once on the host (planes_layout).
 constexpr int kPlanesThreads = 512;        // 16 warps: one CTA per SM holds the whole chunk
+constexpr int kIncPlanesThreads = 256;     // K1 on planes: ~50 KB per CTA, several per SM
 constexpr int kPlanesWarps = kPlanesThreads / 32;
 constexpr int kPlanesTilesPerWarp = 2;     // 16 x 16 tiles of dqh, dkh, dx kept per warp
 constexpr int64_t kPlanesSmemMax = 227 * 1024;  // the H100 / H200 per-block opt-in limit
@@ -99,6 +100,10 @@ struct PlanesLayout {
   // [kPlanesThreads] and three per-row partial sums [T][N / 16].
   int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0;
   int64_t bytes = 0;
+  // K1 on planes (increment_planes_body, kIncPlanesThreads): E qh [T][ldN] and dPhiO [T][ldP]
+  // planes, then E [C] (fp32).
+  int inc_g = 0, inc_E = 0;
+  int64_t inc_bytes = 0;
 };
 
 inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C) {
@@ -132,6 +137,11 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C) {
   L.red = take(4 * kPlanesThreads);
   L.part = take(4 * 3 * T * (N / 16));
   L.bytes = o;
+  o = 0;
+  take(bf2 * T * L.ldN);
+  L.inc_g = take(bf2 * T * L.ldP);
+  L.inc_E = take(4 * C);
+  L.inc_bytes = o;
   return L;
 }
 

@@ -74,7 +74,11 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3) {
   const bb::Args a = bb::make_args(p, pl, ws.data());
   ASSERT_LE(reinterpret_cast<uintptr_t>(a.ws_slot + pl.nslots * pl.slot_floats),
             reinterpret_cast<uintptr_t>(ws.data()) + pl.bytes);
-  if (pl.grid1 > 0) {
+  if (pl.grid1 > 0 && pl.planes) {
+    std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
+    launch(pl.grid1, bb::kIncPlanesThreads,
+           [&] { bb::increment_planes_body(a, smem.data()); });
+  } else if (pl.grid1 > 0) {
     std::vector<float> smem(pl.smem1 / sizeof(float), std::numeric_limits<float>::quiet_NaN());
     launch(pl.grid1, bb::kThreads, [&] { bb::increment_body(a, smem.data()); });
   }
