@@ -535,7 +535,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       }
     }
     // Here, not earlier: the accumulators are dead (no registers to spare in phase 2).
-    if (item + bb_nblocks() < total) prefetch_item(a, item + bb_nblocks());
+    if (a.prefetch && item + bb_nblocks() < total) prefetch_item(a, item + bb_nblocks());
     bb_sync();
     // DQ, DK, DANGLES: one task per step and rotation pair (n, half + n) over the R ranks, so
     // that the exact q / k rows of the diagonal terms are loaded once per task (R each), not

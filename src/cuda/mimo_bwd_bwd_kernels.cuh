@@ -17,10 +17,11 @@
 //   K3 (grid-stride over the chunks, each CTA owns one scratch slot of the workspace): the
 //      chunk's rows (rotated q / k, x, dPhiO) in fp32, the pairwise products KQ / XG, then every
 //      output of the chunk: DQ, DK, DV, DANGLES, DFACTOR, DGAMMA, DDA, DSSDA, DDA_CS_REV, DDA_CS,
-//      and the chunk's partials of DMIMO_V and DD. For 16-bit q, k, v (when its planes fit the
-//      shared memory: all of SPEC.md's grid) the plan takes the planes kernel instead
-//      (mimo_bwd_bwd_chunk_planes.cuh: one CTA per chunk, operands as bf16 hi/lo planes in
-//      shared memory, mma products; same outputs and partials); chunk_body stays for the rest.
+//      and the chunk's partials of DMIMO_V and DD.
+//   For 16-bit q, k, v (when the planes fit the shared memory: all of SPEC.md's grid) the plan
+//   takes the planes kernels for K1 and K3 instead (mimo_bwd_bwd_chunk_planes.cuh: operands as
+//   bf16 hi/lo planes in shared memory, mma products; same U_c, outputs and partials; K3 one
+//   CTA per SM, grid-stride); increment_body and chunk_body stay for the rest.
 //   K4: sums those partials over the chunks in a fixed order (compensated): DMIMO_V, DD.
 // Determinism: every reduction runs in one thread or through a fixed-shape block tree; nothing
 // depends on scheduling (no atomics), so repeated calls give identical bits.
@@ -80,9 +81,10 @@ inline void bb_sincos(float x, float* s, float* c) {
 inline int bb_min(int a, int b) { return std::min(a, b); }
 #endif
 
-// K3 on the planes kernel (mimo_bwd_bwd_chunk_planes.cuh): one CTA of kPlanesThreads per
-// (b, h, chunk), every chunk operand in shared memory as bf16 hi/lo planes. Byte offsets of its
-// regions in dynamic shared memory, computed once on the host (planes_layout).
+// K3 on the planes kernel (mimo_bwd_bwd_chunk_planes.cuh): one CTA of kPlanesThreads per SM,
+// grid-stride over the (b, h, chunk) items, every chunk operand in shared memory as bf16 hi/lo
+// planes. Byte offsets of its regions in dynamic shared memory (and of K1's on planes),
+// computed once on the host (planes_layout).
 constexpr int kPlanesThreads = 512;        // 16 warps: one CTA per SM holds the whole chunk
 constexpr int kIncPlanesThreads = 256;     // K1 on planes: ~50 KB per CTA, several per SM
 constexpr int kPlanesWarps = kPlanesThreads / 32;
@@ -170,7 +172,8 @@ struct Args {
   // Offsets (floats) of the scratch arrays inside a slot; Tm = C R rows at most.
   int64_t o_qh, o_kh, o_sg, o_sx, o_x, o_g, o_dp, o_kq, o_xg, o_st, o_m, o_qb, o_kb,
       o_cs, o_sn;
-  int planes;        // K3 is the planes kernel (else chunk_body over the scratch slots)
+  int planes;        // K1 and K3 are the planes kernels (else increment_body, chunk_body)
+  int prefetch;      // the planes K3 prefetches its next chunk's inputs to L2
   PlanesLayout ply;  // its shared-memory layout
 };
 
@@ -840,17 +843,26 @@ struct Plan {
   size_t smem1 = 0;                                    // K1 dynamic shared memory (bytes)
   int k1_rows = 1;                                     // K1: rows per shared-memory tile
   bool tc = false;                                     // products on tensor cores
-  bool planes = false;                                 // K3 on the planes kernel
+  bool planes = false;                                 // K1 and K3 on the planes kernels
   PlanesLayout ply;                                    // its shared-memory layout
 };
 
 inline int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
 
-// MAMBA3_BB_PLANES=0 in the environment keeps K3 off the planes kernel (A/B runs).
+// MAMBA3_BB_PLANES=0 in the environment keeps K1 and K3 off the planes kernels (A/B runs).
 // Read once, so that the workspace size and the run agree.
 inline bool planes_allowed_by_env() {
   static const bool allowed = [] {
     const char* e = std::getenv("MAMBA3_BB_PLANES");
+    return e == nullptr || e[0] != '0';
+  }();
+  return allowed;
+}
+
+// MAMBA3_BB_PREFETCH=0: the planes K3 does not prefetch its next chunk's inputs to L2 (A/B runs).
+inline bool prefetch_allowed_by_env() {
+  static const bool allowed = [] {
+    const char* e = std::getenv("MAMBA3_BB_PREFETCH");
     return e == nullptr || e[0] != '0';
   }();
   return allowed;
@@ -961,6 +973,7 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.k1_rows = pl.k1_rows;
   a.tc = pl.tc ? 1 : 0;
   a.planes = pl.planes ? 1 : 0;
+  a.prefetch = prefetch_allowed_by_env() ? 1 : 0;
   a.ply = pl.ply;
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
