@@ -107,6 +107,7 @@ struct Shape {
   bool d;
   int64_t pad;
   IoType act, out;
+  bool dout_f32 = false;  // fp32 dout with 16-bit q, k, v (what the combined backward hands over)
 };
 
 const char* kNames[] = {"dq",     "dk",  "dv",    "dmimo_v",    "dangles", "dfactor",
@@ -127,7 +128,7 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   const std::vector<int64_t> dshape = s.layout == kReduceO   ? std::vector<int64_t>{B, S, H, P}
                                       : s.layout == kPerRank ? std::vector<int64_t>{B, S, R, H, P}
                                                              : std::vector<int64_t>{B, H, S * R, P};
-  in.push_back(rand_buf(rng, s.act, dshape, -1, 1, s.pad));               // dout
+  in.push_back(rand_buf(rng, s.dout_f32 ? IoType::F32 : s.act, dshape, -1, 1, s.pad));  // dout
   in.push_back(rand_buf(rng, s.act, {B, S, R, G, N}, -1, 1, s.pad));      // q
   in.push_back(rand_buf(rng, s.act, {B, S, R, G, N}, -1, 1, s.pad));      // k
   in.push_back(rand_buf(rng, s.act, {B, S, H, P}, -1, 1, s.pad));         // v
@@ -331,7 +332,7 @@ TEST(MimoBwdBwdEmulated, LargestChunkRows) {
 
 // K3 on the planes kernel (bf16 hi/lo operand planes, mma products, 512 threads): chunks of
 // T = C R = 16, 32 and 64 rows, partial last chunks, the three dout layouts, with and without D,
-// GQA (G < H), fp16 and bf16 activations, padded inputs, 16-bit outputs.
+// GQA (G < H), fp16 and bf16 activations, padded inputs, 16-bit outputs, an fp32 dout.
 TEST(MimoBwdBwdEmulated, PlanesKernelMatchesTheCpuBackend) {
   const IoType F = IoType::F32, H16 = IoType::F16, BF = IoType::BF16;
   uint64_t seed = 101;
@@ -340,7 +341,8 @@ TEST(MimoBwdBwdEmulated, PlanesKernelMatchesTheCpuBackend) {
                          Shape{1, 40, 2, 2, 16, 32, 4, 8, 2, kPerRank, false, 1, H16, BF},  // T 32
                          Shape{2, 23, 2, 1, 32, 32, 4, 16, 4, kPacked, true, 0, BF, F},    // T 64
                          Shape{1, 19, 1, 1, 16, 16, 1, 64, 2, kReduceO, true, 0, H16, F},  // R 1
-                         Shape{1, 13, 2, 2, 64, 16, 8, 8, 4, kReduceO, false, 2, BF, H16}})  // R 8
+                         Shape{1, 13, 2, 2, 64, 16, 8, 8, 4, kReduceO, false, 2, BF, H16},  // R 8
+                         Shape{1, 18, 2, 1, 32, 16, 2, 8, 2, kPerRank, true, 0, BF, F, true}})
     check_case(s, seed++, bb::kMaxSlots, K3::Planes);
 }
 
