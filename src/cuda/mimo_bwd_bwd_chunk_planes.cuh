@@ -337,7 +337,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     }
     const int64_t dps = dphio_pstride(a);
     float dd_part = 0.f;
-    batched_elements<4>(
+    batched_elements<8>(  // 8 in flight: no accumulators are live in phase 0
         T * P,
         [&](int e) {  // (x, dPhiO)
           const int row = e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
@@ -359,7 +359,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     auto state_at = [&](int e) {
       return ld(a.states, sb + (e / P) * a.states.s[3] + (e % P) * a.states.s[4]);
     };
-    batched_elements<4>(
+    batched_elements<8>(
         N * P, state_at, [&](int e, float v) { st_split1(Sp, e / P * ldP + e % P, v); });
     if (a.has_d) {  // uniform over the block; its barriers also end the loads above
       const float tot = block_sum<kPlanesThreads>(dd_part, red);
