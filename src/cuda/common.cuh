@@ -10,7 +10,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <mutex>
+#include <utility>
 
 #include "core/error.hpp"
 #include "core/tensor.hpp"
@@ -29,6 +31,20 @@ inline void check_cuda(cudaError_t e, const char* what) {
 
 // Checks the launch just enqueued (bad configuration, missing kernel image, ...).
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+// Raises a kernel's dynamic shared-memory limit on the current device, once per (kernel,
+// device, size): later calls (e.g. inside CUDA-graph capture) then make no attribute call.
+inline void set_smem(const void* kern, int device, size_t bytes, const char* what) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> done;
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = done[{kern, device}];
+  if (have >= bytes) return;
+  check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)),
+             what);
+  have = bytes;
+}
 
 // Makes `device` current for the lifetime of the guard and restores the caller's device after.
 class DeviceGuard {

@@ -1,12 +1,14 @@
 // CUDA backend of mamba3_mimo_bwd_bwd (seed 001): host entry points and kernel launches. The
 // design (four kernels, workspace layout) is described in mimo_bwd_bwd_kernels.cuh, which holds
 // the kernel bodies and the launch plan.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/mimo_bwd.hpp"
+#include "cuda/mimo_bwd_bwd_chunk_planes.cuh"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
 
 namespace mamba3::cuda {
@@ -20,6 +22,12 @@ __global__ void __launch_bounds__(kThreads) bb_increment_kernel(const __grid_con
   bb::increment_body(a, smem);
 }
 
+__global__ void __launch_bounds__(bb::kIncPlanesThreads)
+    bb_increment_planes_kernel(const __grid_constant__ Args a) {
+  extern __shared__ __align__(16) unsigned char inc_planes_smem[];
+  bb::increment_planes_body(a, inc_planes_smem);
+}
+
 __global__ void __launch_bounds__(kThreads) bb_scan_kernel(const __grid_constant__ Args a) {
   bb::scan_body(a);
 }
@@ -29,6 +37,13 @@ __global__ void __launch_bounds__(kThreads) bb_scan_kernel(const __grid_constant
 __global__ void __launch_bounds__(kThreads, 3) bb_chunk_kernel(const __grid_constant__ Args a) {
   __shared__ bb::ChunkShared sh;
   bb::chunk_body(a, sh);
+}
+
+// One CTA per SM: its planes take most of the shared memory.
+__global__ void __launch_bounds__(bb::kPlanesThreads, 1)
+    bb_chunk_planes_kernel(const __grid_constant__ Args a) {
+  extern __shared__ __align__(16) unsigned char planes_smem[];
+  bb::chunk_planes_body(a, planes_smem);
 }
 
 __global__ void __launch_bounds__(kThreads) bb_reduce_kernel(const __grid_constant__ Args a) {
@@ -54,15 +69,37 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
   DeviceGuard guard(p.device_id);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Args a = bb::make_args(p, pl, workspace);
+  const DeviceProps& dev = device_props(p.device_id);
+  // Checked before anything is launched (the plan, like the workspace query, knows no device).
+  if (pl.planes && static_cast<int64_t>(dev.smem_optin) < pl.ply.bytes)
+    MAMBA3_FAIL(MAMBA3_ERROR_UNSUPPORTED, "mimo_bwd_bwd: the chunk kernel needs ", pl.ply.bytes,
+                " bytes of shared memory per block, this device allows ", dev.smem_optin,
+                " (MAMBA3_BB_PLANES=0 selects the kernel that needs less)");
 
-  if (pl.grid1 > 0) {
+  if (pl.grid1 > 0 && pl.planes) {
+    set_smem(reinterpret_cast<const void*>(bb_increment_planes_kernel), p.device_id,
+             pl.ply.inc_bytes, "mimo_bwd_bwd: cudaFuncSetAttribute(planes increment kernel)");
+    bb_increment_planes_kernel<<<static_cast<unsigned>(pl.grid1), bb::kIncPlanesThreads,
+                                 pl.ply.inc_bytes, st>>>(a);
+    check_launch("mimo_bwd_bwd: planes state increment kernel");
+  } else if (pl.grid1 > 0) {
     bb_increment_kernel<<<static_cast<unsigned>(pl.grid1), kThreads, pl.smem1, st>>>(a);
     check_launch("mimo_bwd_bwd: state increment kernel");
   }
   bb_scan_kernel<<<static_cast<unsigned>(pl.grid2), kThreads, 0, st>>>(a);
   check_launch("mimo_bwd_bwd: dstate scan kernel");
-  bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);
-  check_launch("mimo_bwd_bwd: chunk kernel");
+  if (pl.planes) {
+    const int smem = static_cast<int>(pl.ply.bytes);
+    // One CTA per SM (its shared memory), grid-stride over the chunks.
+    const int64_t grid = std::min<int64_t>(pl.grid3, dev.sms);
+    set_smem(reinterpret_cast<const void*>(bb_chunk_planes_kernel), p.device_id, pl.ply.bytes,
+             "mimo_bwd_bwd: cudaFuncSetAttribute(planes chunk kernel)");
+    bb_chunk_planes_kernel<<<static_cast<unsigned>(grid), bb::kPlanesThreads, smem, st>>>(a);
+    check_launch("mimo_bwd_bwd: planes chunk kernel");
+  } else {
+    bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);
+    check_launch("mimo_bwd_bwd: chunk kernel");
+  }
   bb_reduce_kernel<<<static_cast<unsigned>(pl.grid4), kThreads, 0, st>>>(a);
   check_launch("mimo_bwd_bwd: partials reduction kernel");
 }

@@ -18,6 +18,10 @@
 //      chunk's rows (rotated q / k, x, dPhiO) in fp32, the pairwise products KQ / XG, then every
 //      output of the chunk: DQ, DK, DV, DANGLES, DFACTOR, DGAMMA, DDA, DSSDA, DDA_CS_REV, DDA_CS,
 //      and the chunk's partials of DMIMO_V and DD.
+//   For 16-bit q, k, v (when the planes fit the shared memory: all of SPEC.md's grid) the plan
+//   takes the planes kernels for K1 and K3 instead (mimo_bwd_bwd_chunk_planes.cuh: operands as
+//   bf16 hi/lo planes in shared memory, mma products; same U_c, outputs and partials; K3 one
+//   CTA per SM, grid-stride); increment_body and chunk_body stay for the rest.
 //   K4: sums those partials over the chunks in a fixed order (compensated): DMIMO_V, DD.
 // Determinism: every reduction runs in one thread or through a fixed-shape block tree; nothing
 // depends on scheduling (no atomics), so repeated calls give identical bits.
@@ -30,6 +34,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/error.hpp"
 #include "core/mimo_bwd_bwd_params.hpp"
@@ -76,6 +81,72 @@ inline void bb_sincos(float x, float* s, float* c) {
 inline int bb_min(int a, int b) { return std::min(a, b); }
 #endif
 
+// K3 on the planes kernel (mimo_bwd_bwd_chunk_planes.cuh): one CTA of kPlanesThreads per SM,
+// grid-stride over the (b, h, chunk) items, every chunk operand in shared memory as bf16 hi/lo
+// planes. Byte offsets of its regions in dynamic shared memory (and of K1's on planes),
+// computed once on the host (planes_layout).
+constexpr int kPlanesThreads = 512;        // 16 warps: one CTA per SM holds the whole chunk
+constexpr int kIncPlanesThreads = 256;     // K1 on planes: ~50 KB per CTA, several per SM
+constexpr int kPlanesWarps = kPlanesThreads / 32;
+constexpr int kPlanesTilesPerWarp = 2;     // 16 x 16 tiles of dqh, dkh, dx kept per warp
+constexpr int64_t kPlanesSmemMax = 227 * 1024;  // the H100 / H200 per-block opt-in limit
+
+struct PlanesLayout {
+  int ldN = 0, ldP = 0, ldT = 0;  // row strides (elements) of the [.][N], [.][P], [.][T] planes
+  // bf16 hi/lo planes (hi plane, then lo): qh, kh [T][ldN]; x, g (dPhiO) [T][ldP]; st [N][ldP]
+  // (states[c], then dS_c); mc [T][ldT] (the coefficient matrix of the current product).
+  // Reused in phase 3 as fp32: dqh in qh, dkh in kh [T][N], dx in x [T][P].
+  int qh = 0, kh = 0, x = 0, g = 0, st = 0, mc = 0;
+  int kq = 0, xg = 0;  // fp32 [T][T]
+  // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
+  // [kPlanesThreads] and three per-row partial sums [T][N / 16].
+  int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0;
+  int64_t bytes = 0;
+  // K1 on planes (increment_planes_body, kIncPlanesThreads): E qh [T][ldN] and dPhiO [T][ldP]
+  // planes, then E [C] (fp32).
+  int inc_g = 0, inc_E = 0;
+  int64_t inc_bytes = 0;
+};
+
+inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C) {
+  PlanesLayout L;
+  const int64_t T = C * R;
+  L.ldN = static_cast<int>(N + 8), L.ldP = static_cast<int>(P + 8);  // + 8: conflict-free ldmatrix
+  L.ldT = static_cast<int>(T + 8);
+  int64_t o = 0;
+  auto take = [&o](int64_t bytes) {
+    const int64_t at = o;
+    o += (bytes + 15) / 16 * 16;  // ldmatrix rows need 16-byte alignment
+    return static_cast<int>(at);
+  };
+  const int64_t bf2 = 2 * 2;  // two bf16 planes
+  L.qh = take(bf2 * T * L.ldN);
+  L.kh = take(bf2 * T * L.ldN);
+  L.x = take(bf2 * T * L.ldP);
+  L.g = take(bf2 * T * L.ldP);
+  L.st = take(bf2 * N * L.ldP);
+  L.mc = take(bf2 * T * L.ldT);
+  L.kq = take(4 * T * T);
+  L.xg = take(4 * T * T);
+  L.dacs = take(4 * C);
+  L.dt = take(4 * (C + 1));
+  L.lam = take(4 * (C + 1));
+  L.E = take(4 * C);
+  L.F = take(4 * C);
+  L.ts = take(4 * C);
+  L.gam = take(4 * C);
+  L.qk = take(4 * C * R * R);
+  L.red = take(4 * kPlanesThreads);
+  L.part = take(4 * 3 * T * (N / 16));
+  L.bytes = o;
+  o = 0;
+  take(bf2 * T * L.ldN);
+  L.inc_g = take(bf2 * T * L.ldP);
+  L.inc_E = take(4 * C);
+  L.inc_bytes = o;
+  return L;
+}
+
 // A tensor as the kernels see it: byte pointer (byte_offset applied), runtime dtype, strides
 // in elements.
 struct View {
@@ -101,6 +172,9 @@ struct Args {
   // Offsets (floats) of the scratch arrays inside a slot; Tm = C R rows at most.
   int64_t o_qh, o_kh, o_sg, o_sx, o_x, o_g, o_dp, o_kq, o_xg, o_st, o_m, o_qb, o_kb,
       o_cs, o_sn;
+  int planes;        // K1 and K3 are the planes kernels (else increment_body, chunk_body)
+  int prefetch;      // the planes K3 prefetches its next chunk's inputs to L2
+  PlanesLayout ply;  // its shared-memory layout
 };
 
 // K3's shared memory (per CTA).
@@ -142,11 +216,12 @@ BB_DEV int64_t dphio_pstride(const Args& a) { return a.layout == 1 ? a.dout.s[4]
 
 // Sum over the block in a fixed tree (deterministic); every thread must call it and gets the
 // total. Ends with a barrier, so `red` may be reused right after.
+template <int NT = kThreads>
 BB_DEV float block_sum(float v, float* red) {
   const int tid = bb_tid();
   red[tid] = v;
   bb_sync();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
+  for (int s = NT / 2; s > 0; s >>= 1) {
     if (tid < s) red[tid] += red[tid + s];
     bb_sync();
   }
@@ -768,12 +843,35 @@ struct Plan {
   size_t smem1 = 0;                                    // K1 dynamic shared memory (bytes)
   int k1_rows = 1;                                     // K1: rows per shared-memory tile
   bool tc = false;                                     // products on tensor cores
+  bool planes = false;                                 // K1 and K3 on the planes kernels
+  PlanesLayout ply;                                    // its shared-memory layout
 };
 
 inline int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
 
+// MAMBA3_BB_PLANES=0 in the environment keeps K1 and K3 off the planes kernels (A/B runs).
+// Read once, so that the workspace size and the run agree.
+inline bool planes_allowed_by_env() {
+  static const bool allowed = [] {
+    const char* e = std::getenv("MAMBA3_BB_PLANES");
+    return e == nullptr || e[0] != '0';
+  }();
+  return allowed;
+}
+
+// MAMBA3_BB_PREFETCH=0: the planes K3 does not prefetch its next chunk's inputs to L2 (A/B runs).
+inline bool prefetch_allowed_by_env() {
+  static const bool allowed = [] {
+    const char* e = std::getenv("MAMBA3_BB_PREFETCH");
+    return e == nullptr || e[0] != '0';
+  }();
+  return allowed;
+}
+
 // max_slots: K3's CTA count cap (the host emulation test lowers it to reach slot reuse cheaply).
-inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots) {
+// allow_planes: false keeps K3 on chunk_body (the tests run both paths).
+inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
+                      bool allow_planes = true) {
   // Every index the kernels form in 32 bits (rows x dims of one chunk, grid sizes) fits.
   MAMBA3_CHECK_ARG(p.S <= (int64_t{1} << 30) && p.B * p.H <= (int64_t{1} << 24) &&
                        p.B * p.H * p.nchunks < (int64_t{1} << 31),
@@ -808,25 +906,32 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots) 
   pl.o_cs = take(p.C * std::max<int64_t>(p.A, 1));
   pl.o_sn = take(p.C * std::max<int64_t>(p.A, 1));
   pl.slot_floats = o;
-  pl.nslots = std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
-  // + kAlign: the caller's pointer is rounded up to kAlign bytes.
-  pl.bytes = static_cast<size_t>(pl.n_ds + pl.n_part + pl.n_dd + pl.nslots * pl.slot_floats) *
-                 sizeof(float) +
-             kAlign;
-  pl.grid1 = nch > 1 ? BH * nch : 0;
-  pl.grid2 = (BH * NP + kThreads - 1) / kThreads;
-  pl.grid3 = pl.nslots;
-  pl.grid4 = (BH * p.R * p.P + BH + kThreads - 1) / kThreads;
-  // At most kK1Smem = 48 KB: the default limit (no attribute call).
-  pl.k1_rows = static_cast<int>(std::min<int64_t>(
-      Tm, std::max<int64_t>(1, kK1Smem / (static_cast<int64_t>(sizeof(float)) * (p.N + p.P)))));
-  if (pl.k1_rows >= 8) pl.k1_rows &= ~7;  // whole mma k-steps per tile
   // Tensor cores (3xTF32) for 16-bit q, k, v, whose tolerance leaves room for its ~2^-21
   // relative product error, when every product's dims fit the m16n8k8 tiles. dout may be fp32:
   // the combined backward hands over the gated or pre-RMS dout of 16-bit inputs in fp32.
   auto half16 = [](const TensorView& t) { return t.dtype == DType::F16 || t.dtype == DType::BF16; };
   pl.tc = half16(p.q) && half16(p.k) && half16(p.v) && Tm % 16 == 0 && p.N % 16 == 0 &&
           p.P % 16 == 0;
+  // The planes kernel for those, when a chunk's rows are at most 64 (its coefficient matrices),
+  // its dqh / dkh / dx tiles fit kPlanesTilesPerWarp per warp and its planes the shared memory
+  // (all of SPEC.md's grid at 16-bit activations). It needs no scratch slots.
+  pl.ply = planes_layout(p.N, p.P, p.R, p.C);
+  const int64_t tiles_max = int64_t{kPlanesWarps} * kPlanesTilesPerWarp * 256;
+  pl.planes = allow_planes && planes_allowed_by_env() && pl.tc && Tm <= 64 &&
+              Tm * p.N <= tiles_max && Tm * p.P <= tiles_max && pl.ply.bytes <= kPlanesSmemMax;
+  pl.nslots = pl.planes ? 0 : std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
+  // + kAlign: the caller's pointer is rounded up to kAlign bytes.
+  pl.bytes = static_cast<size_t>(pl.n_ds + pl.n_part + pl.n_dd + pl.nslots * pl.slot_floats) *
+                 sizeof(float) +
+             kAlign;
+  pl.grid1 = nch > 1 ? BH * nch : 0;
+  pl.grid2 = (BH * NP + kThreads - 1) / kThreads;
+  pl.grid3 = pl.planes ? BH * nch : pl.nslots;
+  pl.grid4 = (BH * p.R * p.P + BH + kThreads - 1) / kThreads;
+  // At most kK1Smem = 48 KB: the default limit (no attribute call).
+  pl.k1_rows = static_cast<int>(std::min<int64_t>(
+      Tm, std::max<int64_t>(1, kK1Smem / (static_cast<int64_t>(sizeof(float)) * (p.N + p.P)))));
+  if (pl.k1_rows >= 8) pl.k1_rows &= ~7;  // whole mma k-steps per tile
   pl.smem1 = static_cast<size_t>(pl.k1_rows) * (p.N + p.P) * sizeof(float);
   return pl;
 }
@@ -867,6 +972,9 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.slot_floats = pl.slot_floats;
   a.k1_rows = pl.k1_rows;
   a.tc = pl.tc ? 1 : 0;
+  a.planes = pl.planes ? 1 : 0;
+  a.prefetch = prefetch_allowed_by_env() ? 1 : 0;
+  a.ply = pl.ply;
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
   a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st, a.o_m = pl.o_m;

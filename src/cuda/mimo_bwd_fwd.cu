@@ -121,20 +121,6 @@ mimo::MbPlan plan_for(const MimoBwdFwdParams& p) {
   return pl;
 }
 
-// Raises a kernel's dynamic shared-memory limit on the current device, once per (kernel,
-// device, size): later calls (e.g. inside CUDA-graph capture) then make no attribute call.
-void set_smem(const void* kern, int device, size_t bytes, const char* what) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, size_t> done;
-  std::lock_guard<std::mutex> lock(mu);
-  size_t& have = done[{kern, device}];
-  if (have >= bytes) return;
-  check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(bytes)),
-             what);
-  have = bytes;
-}
-
 }  // namespace
 
 size_t mimo_bwd_fwd_workspace_bytes(const MimoBwdFwdParams& p) { return plan_for(p).ws_total; }

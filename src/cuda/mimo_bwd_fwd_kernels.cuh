@@ -41,13 +41,9 @@
 #include <vector_types.h>
 
 #include "core/mimo_bwd_params.hpp"
+#include "cuda/bf16_split_mma.cuh"
 #include "cuda/rt_dtype.cuh"
 
-#if defined(__CUDACC__)
-#define MB_DEV __device__ __forceinline__
-#else
-#define MB_DEV inline
-#endif
 
 namespace mamba3::cuda::mimo {
 
@@ -63,17 +59,9 @@ constexpr int kNT = MAMBA3_MIMO_NT;
 
 // ------------------------------------------------------------------ primitives
 
-#if defined(__CUDACC__)
-MB_DEV int mb_tid() { return static_cast<int>(threadIdx.x); }
-MB_DEV int64_t mb_bid() { return static_cast<int64_t>(blockIdx.x); }
-MB_DEV void mb_sync() { __syncthreads(); }
-#else
+#if !defined(__CUDACC__)
 using std::max;
 using std::min;
-// Provided by the host-side emulator that runs these bodies (tests only).
-int mb_tid();
-int64_t mb_bid();
-void mb_sync();
 #endif
 
 // Compile-time-typed load: DT is one of rt_ld's dtype codes, or negative for the runtime dtype dt. A

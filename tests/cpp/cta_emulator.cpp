@@ -22,7 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/mimo_bwd_fwd_lean.cuh"
+#include "cuda/bf16_split_mma.cuh"
 
 namespace mamba3::test::emu {
 
@@ -87,6 +87,17 @@ void ldsm(uint32_t (&r)[4], const __nv_bfloat16* p, bool trans) {
 int mb_tid() { return test::emu::t_tid; }
 int64_t mb_bid() { return test::emu::t_bid; }
 void mb_sync() { g_cta->bar.wait(); }
+
+float mb_shfl_xor(float v, int mask) {
+  int s;
+  Warp& w = my_warp(s);
+  const int l = t_tid % 32;
+  std::memcpy(&w.a[s][l][0], &v, 4);
+  w.bar.wait();
+  float r;
+  std::memcpy(&r, &w.a[s][l ^ (mask & 31)][0], 4);
+  return r;
+}
 
 void ldsm4(uint32_t (&r)[4], const __nv_bfloat16* p) { ldsm(r, p, false); }
 void ldsm4t(uint32_t (&r)[4], const __nv_bfloat16* p) { ldsm(r, p, true); }

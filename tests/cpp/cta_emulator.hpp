@@ -1,6 +1,6 @@
 // Host emulation of CUDA thread blocks for kernel bodies written against the primitives of
-// src/cuda/mimo_bwd_fwd_kernels.cuh (mb_tid / mb_bid / mb_sync) and mimo_bwd_fwd_lean.cuh
-// (the warp-collective ldsm4 / ldsm4t / mma16816), so that they run on machines without a GPU.
+// src/cuda/bf16_split_mma.cuh (mb_tid / mb_bid / mb_sync and the warp-collective ldsm4 /
+// ldsm4t / mma16816 / mb_shfl_xor), so that they run on machines without a GPU.
 //
 // A CTA of n threads is n std::threads: mb_sync is a barrier of all n; every warp (threads
 // 32 w .. 32 w + 31) has its own rendezvous for the collective instructions: each lane deposits

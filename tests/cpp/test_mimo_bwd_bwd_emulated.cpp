@@ -1,5 +1,6 @@
-// The CUDA kernels of mamba3_mimo_bwd_bwd (src/cuda/mimo_bwd_bwd_kernels.cuh) run on the host:
-// each CTA is emulated by kThreads std::threads sharing one barrier (blocks one after another),
+// The CUDA kernels of mamba3_mimo_bwd_bwd (src/cuda/mimo_bwd_bwd_kernels.cuh, and K3's planes
+// kernel mimo_bwd_bwd_chunk_planes.cuh with its tensor-core products) run on the host: each CTA
+// is emulated by one std::thread per CUDA thread (cta_emulator.hpp; blocks one after another),
 // so index math, barriers, workspace layout, tails and the grid-stride slot reuse are checked
 // on machines without a GPU. The workspace is NaN-filled first (a read before a write shows up
 // as NaN), outputs are poisoned, segsum / da_cs_rev entries the operator must not read are NaN.
@@ -25,6 +26,7 @@
 
 #include "core/mimo_bwd_bwd_params.hpp"
 #include "cta_emulator.hpp"
+#include "cuda/mimo_bwd_bwd_chunk_planes.cuh"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
 #include "host_operands.hpp"
 #include "mamba3/mamba3.h"
@@ -33,22 +35,19 @@
 
 // ------------------------------------------------------------------ the emulated primitives
 
+// The CTA emulator's thread index and barrier (the same ones its warp-collective instructions
+// use, which the planes kernel calls).
 namespace mamba3::cuda::bb {
 namespace {
 
-using test::emu::Barrier;  // the CTA emulator's (cta_emulator.hpp)
-
-thread_local int t_tid = 0;
-thread_local int64_t t_bid = 0;
 int64_t g_nblocks = 0;
-Barrier* g_barrier = nullptr;
 
 }  // namespace
 
-int bb_tid() { return t_tid; }
-int64_t bb_bid() { return t_bid; }
+int bb_tid() { return test::emu::t_tid; }
+int64_t bb_bid() { return test::emu::t_bid; }
 int64_t bb_nblocks() { return g_nblocks; }
-void bb_sync() { g_barrier->wait(); }
+void bb_sync() { test::emu::g_cta->bar.wait(); }
 
 }  // namespace mamba3::cuda::bb
 
@@ -57,41 +56,44 @@ namespace {
 using namespace mamba3::golden;
 namespace bb = mamba3::cuda::bb;
 
-// A launch of `grid` CTAs of kThreads threads, one CTA after another.
+// A launch of `grid` CTAs of `nthreads` threads, one CTA after another.
 template <class F>
-void launch(int64_t grid, F body) {
-  bb::Barrier barrier(bb::kThreads);
-  bb::g_barrier = &barrier;
+void launch(int64_t grid, int nthreads, F body) {
   bb::g_nblocks = grid;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < bb::kThreads; ++t)
-    threads.emplace_back([&, t] {
-      bb::t_tid = t;
-      for (int64_t blk = 0; blk < grid; ++blk) {
-        bb::t_bid = blk;
-        body();
-        barrier.wait();  // the next CTA starts when every thread of this one is done
-      }
-    });
-  for (std::thread& th : threads) th.join();
-  bb::g_barrier = nullptr;
+  mamba3::test::emu::launch(grid, nthreads, body);
 }
 
+// Which K3 the plan must take: chunk_body over the scratch slots, or the planes kernel.
+enum class K3 { Slots, Planes };
+
 // Runs the four kernels exactly as src/cuda/mimo_bwd_bwd.cu launches them.
-void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots) {
-  const bb::Plan pl = bb::make_plan(p, max_slots);
+void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3) {
+  const bb::Plan pl = bb::make_plan(p, max_slots, k3 == K3::Planes);
+  ASSERT_EQ(pl.planes, k3 == K3::Planes) << "the plan does not take the requested K3";
   std::vector<float> ws(pl.bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
   const bb::Args a = bb::make_args(p, pl, ws.data());
   ASSERT_LE(reinterpret_cast<uintptr_t>(a.ws_slot + pl.nslots * pl.slot_floats),
             reinterpret_cast<uintptr_t>(ws.data()) + pl.bytes);
-  if (pl.grid1 > 0) {
+  if (pl.grid1 > 0 && pl.planes) {
+    std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
+    launch(pl.grid1, bb::kIncPlanesThreads,
+           [&] { bb::increment_planes_body(a, smem.data()); });
+  } else if (pl.grid1 > 0) {
     std::vector<float> smem(pl.smem1 / sizeof(float), std::numeric_limits<float>::quiet_NaN());
-    launch(pl.grid1, [&] { bb::increment_body(a, smem.data()); });
+    launch(pl.grid1, bb::kThreads, [&] { bb::increment_body(a, smem.data()); });
   }
-  launch(pl.grid2, [&] { bb::scan_body(a); });
-  auto sh = std::make_unique<bb::ChunkShared>();
-  launch(pl.grid3, [&] { bb::chunk_body(a, *sh); });
-  launch(pl.grid4, [&] { bb::reduce_body(a); });
+  launch(pl.grid2, bb::kThreads, [&] { bb::scan_body(a); });
+  if (pl.planes) {
+    // 0xff bytes: NaN as fp32 and as bf16 (a read before a write shows up).
+    std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.bytes), 0xff);
+    // The device launches one CTA per SM (grid-stride); max_slots stands in for the SM count.
+    launch(std::min(pl.grid3, max_slots), bb::kPlanesThreads,
+           [&] { bb::chunk_planes_body(a, smem.data()); });
+  } else {
+    auto sh = std::make_unique<bb::ChunkShared>();
+    launch(pl.grid3, bb::kThreads, [&] { bb::chunk_body(a, *sh); });
+  }
+  launch(pl.grid4, bb::kThreads, [&] { bb::reduce_body(a); });
 }
 
 using mamba3::test::rand_buf;
@@ -105,16 +107,19 @@ struct Shape {
   bool d;
   int64_t pad;
   IoType act, out;
+  bool dout_f32 = false;  // fp32 dout with 16-bit q, k, v (what the combined backward hands over)
 };
 
 const char* kNames[] = {"dq",     "dk",  "dv",    "dmimo_v",    "dangles", "dfactor",
                         "dgamma", "dda", "dssda", "dda_cs_rev", "dda_cs",  "dd"};
 
-void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots) {
+void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots,
+                K3 k3 = K3::Slots) {
   SCOPED_TRACE("B" + std::to_string(s.B) + " S" + std::to_string(s.S) + " H" +
                std::to_string(s.H) + " G" + std::to_string(s.G) + " N" + std::to_string(s.N) +
                " P" + std::to_string(s.P) + " R" + std::to_string(s.R) + " C" +
-               std::to_string(s.C) + " layout" + std::to_string(s.layout));
+               std::to_string(s.C) + " layout" + std::to_string(s.layout) +
+               (k3 == K3::Planes ? " planes" : ""));
   const int64_t B = s.B, S = s.S, H = s.H, G = s.G, N = s.N, P = s.P, R = s.R, C = s.C;
   const int64_t A = N / s.rdd, nch = (S + C - 1) / C;
   std::mt19937_64 rng(seed);
@@ -123,7 +128,7 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   const std::vector<int64_t> dshape = s.layout == kReduceO   ? std::vector<int64_t>{B, S, H, P}
                                       : s.layout == kPerRank ? std::vector<int64_t>{B, S, R, H, P}
                                                              : std::vector<int64_t>{B, H, S * R, P};
-  in.push_back(rand_buf(rng, s.act, dshape, -1, 1, s.pad));               // dout
+  in.push_back(rand_buf(rng, s.dout_f32 ? IoType::F32 : s.act, dshape, -1, 1, s.pad));  // dout
   in.push_back(rand_buf(rng, s.act, {B, S, R, G, N}, -1, 1, s.pad));      // q
   in.push_back(rand_buf(rng, s.act, {B, S, R, G, N}, -1, 1, s.pad));      // k
   in.push_back(rand_buf(rng, s.act, {B, S, H, P}, -1, 1, s.pad));         // v
@@ -212,10 +217,15 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
         << mamba3_last_error();
   }
   std::vector<Buffer> got = outputs(), again = outputs();
-  emulate(call_params(got), max_slots);
-  emulate(call_params(again), max_slots);
-  // Against the CPU backend (same fp32 algebra: tight) ...
-  const double tol = s.out == IoType::F32 ? 2e-5 : s.out == IoType::F16 ? 2e-3 : 1e-2;
+  emulate(call_params(got), max_slots, k3);
+  emulate(call_params(again), max_slots, k3);
+  if (testing::Test::HasFatalFailure()) return;
+  // Against the CPU backend (same fp32 algebra: tight; the planes kernel's products round their
+  // operands to hi + lo bf16 pairs, ~2^-17 each: fp32 outputs to 1e-4 as the first pass's lean
+  // kernels in test_mimo_bwd_fwd_emulated.cpp) ...
+  const double tol = s.out == IoType::F32 ? (k3 == K3::Planes ? 1e-4 : 2e-5)
+                     : s.out == IoType::F16 ? 2e-3
+                                            : 1e-2;
   for (size_t k = 0; k < got.size(); ++k) {
     if (got[k].shape.empty()) continue;
     EXPECT_TRUE(got[k].bytes == again[k].bytes) << kNames[k] << ": two runs differ";
@@ -305,7 +315,10 @@ TEST(MimoBwdBwdEmulated, KernelBodiesMatchTheCpuBackend) {
 
 // More chunks than K3 CTAs: the grid-stride loop reuses each CTA's scratch slot (the cap is
 // lowered to 3 CTAs here; the device tests reach the real cap of kMaxSlots = 396), many chunks per (b, h).
+// The planes kernel likewise walks several chunks per CTA (and prefetches the next one's inputs).
 TEST(MimoBwdBwdEmulated, GridStrideOverManyChunks) {
+  check_case(Shape{2, 50, 2, 1, 16, 16, 1, 16, 2, kPacked, true, 1, IoType::BF16, IoType::F32},
+             44, 3, K3::Planes);
   check_case(Shape{1, 83, 2, 1, 8, 4, 2, 8, 4, kReduceO, true, 0, IoType::F32, IoType::F32}, 41,
              3);
   check_case(Shape{2, 50, 2, 2, 16, 8, 1, 16, 2, kPacked, false, 1, IoType::BF16, IoType::F32},
@@ -315,6 +328,66 @@ TEST(MimoBwdBwdEmulated, GridStrideOverManyChunks) {
 // Rank 8 with 64-step chunks (512 rows per chunk), a partial last chunk.
 TEST(MimoBwdBwdEmulated, LargestChunkRows) {
   check_case(Shape{1, 70, 1, 1, 16, 8, 8, 64, 4, kPerRank, true, 0, IoType::F32, IoType::F32}, 42);
+}
+
+// K3 on the planes kernel (bf16 hi/lo operand planes, mma products, 512 threads): chunks of
+// T = C R = 16, 32 and 64 rows, partial last chunks, the three dout layouts, with and without D,
+// GQA (G < H), fp16 and bf16 activations, padded inputs, 16-bit outputs, an fp32 dout.
+TEST(MimoBwdBwdEmulated, PlanesKernelMatchesTheCpuBackend) {
+  const IoType F = IoType::F32, H16 = IoType::F16, BF = IoType::BF16;
+  uint64_t seed = 101;
+  // B  S   H  G  N   P   R  C  rdd layout     D      pad act out
+  for (const Shape& s : {Shape{1, 21, 2, 1, 32, 16, 2, 8, 4, kReduceO, true, 0, BF, F},    // T 16
+                         Shape{1, 40, 2, 2, 16, 32, 4, 8, 2, kPerRank, false, 1, H16, BF},  // T 32
+                         Shape{2, 23, 2, 1, 32, 32, 4, 16, 4, kPacked, true, 0, BF, F},    // T 64
+                         Shape{1, 19, 1, 1, 16, 16, 1, 64, 2, kReduceO, true, 0, H16, F},  // R 1
+                         Shape{1, 13, 2, 2, 64, 16, 8, 8, 4, kReduceO, false, 2, BF, H16},  // R 8
+                         Shape{1, 18, 2, 1, 32, 16, 2, 8, 2, kPerRank, true, 0, BF, F, true}})
+    check_case(s, seed++, bb::kMaxSlots, K3::Planes);
+}
+
+// The planes kernel with two dqh / dkh tiles per warp (T N = 8192) and two dx tiles per warp
+// (T P = 8192).
+TEST(MimoBwdBwdEmulated, PlanesKernelTwoTilesPerWarp) {
+  const IoType F = IoType::F32, BF = IoType::BF16;
+  check_case(Shape{1, 20, 1, 1, 128, 16, 4, 16, 4, kPerRank, true, 0, BF, F}, 201, bb::kMaxSlots,
+             K3::Planes);
+  check_case(Shape{1, 12, 1, 1, 16, 128, 2, 32, 2, kReduceO, true, 0, BF, F}, 202, bb::kMaxSlots,
+             K3::Planes);
+}
+
+// The planes kernel at the reference shape N128 P64 R4 C16 (a full chunk and a partial one).
+TEST(MimoBwdBwdEmulated, PlanesKernelReferenceShape) {
+  check_case(Shape{1, 20, 1, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, IoType::BF16, IoType::F32},
+             301, bb::kMaxSlots, K3::Planes);
+}
+
+// The plan takes the planes kernel for SPEC.md's grid at 16-bit q, k, v (its planes fit the
+// shared memory), and not for fp32 activations or rows it cannot tile.
+TEST(MimoBwdBwdEmulated, PlanPicksPlanesKernel) {
+  using mamba3::DType;
+  auto plan = [](DType qkv, int64_t N, int64_t P, int64_t R, int64_t C) {
+    mamba3::MimoBwdBwdParams p;
+    p.B = 1, p.S = 64, p.H = 1, p.G = 1, p.N = N, p.P = P, p.R = R, p.C = C;
+    p.nchunks = (p.S + C - 1) / C;
+    p.A = N / 4;
+    p.q.dtype = p.k.dtype = p.v.dtype = p.dout.dtype = qkv;
+    return bb::make_plan(p);
+  };
+  const int64_t grid[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
+                             {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
+                             {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
+                             {128, 64, 2, 32}, {128, 64, 1, 64}};
+  for (const auto& g : grid) {
+    const bb::Plan pl = plan(DType::BF16, g[0], g[1], g[2], g[3]);
+    EXPECT_TRUE(pl.planes) << "N" << g[0] << " P" << g[1] << " R" << g[2] << " C" << g[3]
+                           << ": " << pl.ply.bytes << " bytes of shared memory";
+    EXPECT_LE(pl.ply.bytes, bb::kPlanesSmemMax);
+    EXPECT_EQ(pl.nslots, 0);
+    EXPECT_FALSE(plan(DType::F32, g[0], g[1], g[2], g[3]).planes);
+  }
+  EXPECT_FALSE(plan(DType::BF16, 128, 64, 8, 16).planes);  // 128 rows per chunk
+  EXPECT_FALSE(plan(DType::BF16, 64, 64, 1, 8).planes);    // 8 rows per chunk
 }
 
 // The plan's choice of tensor-core products (3xTF32): 16-bit q, k and v (dout of any dtype:

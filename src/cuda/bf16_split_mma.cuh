@@ -1,0 +1,139 @@
+// bf16 hi/lo split operands on tensor cores: the primitives shared by the MIMO passes' chunk
+// kernels (the first pass's lean kernels, mimo_bwd_fwd_lean.cuh, and the second pass's planes
+// kernel, mimo_bwd_bwd_chunk_planes.cuh). Each operand x is rounded once into a bf16 pair
+// x = hi + lo (hi = bf16(x), lo = bf16(x - hi)) stored as two planes in shared memory; a product
+// reads fragments with ldmatrix and runs three bf16 mma.sync m16n8k16 per tile (hi*hi + hi*lo +
+// lo*hi: ~2^-17 relative error per product, fp32 accumulation).
+//
+// The bodies built on them also run on the host (tests/cpp/cta_emulator.{hpp,cpp} defines the
+// thread index, barrier and warp-collective instructions there).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MB_DEV __device__ __forceinline__
+#else
+#define MB_DEV inline
+#endif
+
+namespace mamba3::cuda::mimo {
+
+// ------------------------------------------------------------------ CTA primitives
+
+#if defined(__CUDACC__)
+MB_DEV int mb_tid() { return static_cast<int>(threadIdx.x); }
+MB_DEV int64_t mb_bid() { return static_cast<int64_t>(blockIdx.x); }
+MB_DEV void mb_sync() { __syncthreads(); }
+// The value of lane (this lane ^ mask) of the warp (every lane must call it).
+MB_DEV float mb_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+#else
+// Provided by the host-side emulator that runs these bodies (tests only).
+int mb_tid();
+int64_t mb_bid();
+void mb_sync();
+float mb_shfl_xor(float v, int mask);
+#endif
+
+// ------------------------------------------------------------------ bf16 pair primitives
+
+MB_DEV uint32_t bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+// (x0, x1) -> packed hi pair and lo pair.
+MB_DEV void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  hi = bf2_bits(h);
+  lo = bf2_bits(__floats2bfloat162_rn(x0 - hf.x, x1 - hf.y));
+}
+
+// Stores the split pair (x0, x1) at element e of the hi plane (lo plane `plane` elements later).
+MB_DEV void st_split2(__nv_bfloat16* base, int plane, int e, float x0, float x1) {
+  uint32_t hi, lo;
+  split2(x0, x1, hi, lo);
+  *reinterpret_cast<uint32_t*>(base + e) = hi;
+  *reinterpret_cast<uint32_t*>(base + plane + e) = lo;
+}
+
+#if defined(__CUDACC__)
+MB_DEV void ldsm4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+MB_DEV void ldsm4t(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+// d += a * b, one m16n8k16 bf16 tile (fp32 accumulate).
+MB_DEV void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#else
+// Provided by the host-side emulator of the warp-collective instructions (tests only:
+// tests/cpp/cta_emulator.cpp).
+void ldsm4(uint32_t (&r)[4], const __nv_bfloat16* p);
+void ldsm4t(uint32_t (&r)[4], const __nv_bfloat16* p);
+void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+#endif
+
+// A split tile in shared memory: hi plane at h, lo plane `plane` elements later, row stride ld.
+struct SplitTile {
+  __nv_bfloat16* h;
+  int plane, ld;
+};
+
+// acc[j] (16 x 8 C fragments at rows m0.., columns n0 + 8j, j < 2) += A B over k in [k0, k1)
+// (multiples of 16). A_KM: A is stored k-major ([k][m], read transposed); else [m][k].
+// B_KN: B is stored [k][n] (read transposed); else [n][k]. Each product is hi*hi + hi*lo +
+// lo*hi. Every lane of the warp calls it with the same arguments.
+template <bool A_KM, bool B_KN>
+MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B,
+                           int n0, int k0, int k1) {
+  const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
+  for (int k = k0; k < k1; k += 16) {
+    const int ao = A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
+                        : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
+    const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
+                        : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
+    uint32_t ah[4], al[4], bh[4], bl[4];
+    if constexpr (A_KM) {
+      ldsm4t(ah, A.h + ao);
+      ldsm4t(al, A.h + A.plane + ao);
+    } else {
+      ldsm4(ah, A.h + ao);
+      ldsm4(al, A.h + A.plane + ao);
+    }
+    if constexpr (B_KN) {
+      ldsm4t(bh, B.h + bo);
+      ldsm4t(bl, B.h + B.plane + bo);
+    } else {
+      ldsm4(bh, B.h + bo);
+      ldsm4(bl, B.h + B.plane + bo);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+      mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+      mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+    }
+  }
+}
+
+MB_DEV void zero_acc(float (&acc)[2][4]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+}
+
+}  // namespace mamba3::cuda::mimo
