@@ -23,6 +23,7 @@
 //            undone, diagonal terms, DQ, DK, DANGLES, DV and the DMIMO_V partial. The exact fp32
 //            q / k rows these need are reloaded from global memory (L2) instead of kept.
 // Deterministic: fixed tile owners, fixed-order sums, no atomics.
+// K1 has a planes version here too (increment_planes_body), taken together with this K3.
 #pragma once
 
 #include "cuda/bf16_split_mma.cuh"
