@@ -436,7 +436,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- dkh. dS_c replaces states[c]; M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)] (j > i).
     float dda_part = 0.f;
-    batched_elements<4>(
+    batched_elements<8>(  // 8 in flight: still no spills with the dqh accumulators live
         N * P, [&](int e) { return make_float2(state_at(e), dS[e]); },
         [&](int e, float2 sd) {
           dda_part += sd.x * sd.y;
