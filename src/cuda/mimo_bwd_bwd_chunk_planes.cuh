@@ -23,6 +23,7 @@
 //            undone, diagonal terms, DQ, DK, DANGLES, DV and the DMIMO_V partial. The exact fp32
 //            q / k rows these need are reloaded from global memory (L2) instead of kept.
 // Deterministic: fixed tile owners, fixed-order sums, no atomics.
+// K1 has a planes version here too (increment_planes_body), taken together with this K3.
 #pragma once
 
 #include "cuda/bf16_split_mma.cuh"
@@ -263,7 +264,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
   float* dx = flp(Ly.x);    // from the dx products on: [T][P]
   float *s_dacs = flp(Ly.dacs), *s_dt = flp(Ly.dt), *s_lam = flp(Ly.lam), *s_E = flp(Ly.E),
         *s_F = flp(Ly.F), *s_ts = flp(Ly.ts), *s_gam = flp(Ly.gam), *s_qk = flp(Ly.qk),
-        *red = flp(Ly.red);
+        *red = flp(Ly.red), *s_W = flp(Ly.W);
   float* part_cs = flp(Ly.part);            // [T][nN] qh . SG
   float* part_rev = part_cs + T * nN;       // [T][nN] kh . SX
   float* part_fac = part_rev + T * nN;      // [T][nN] kh . dkh
@@ -289,17 +290,20 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       return ld(a.k, k0 + (s0 + i) * a.k.s[1] + r * a.k.s[2] + n * a.k.s[4]) +
              ld(a.k_bias, o3(a.k_bias, h, r, n));
     };
-    // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
-    auto Wf = [&](int i, int j) {
-      return expf(partial ? s_dacs[i] - s_dacs[j] : ld(a.segsum, o5(a.segsum, b, h, c, i, j)));
-    };
+    auto Wf = [&](int i, int j) { return s_W[i * C + j]; };  // exp(segsum[c, i, j])
 
     // ---- phase 0: per-step inputs, planes
     for (int i = tid; i < Lx; i += kPlanesThreads) {
       const int t = s0 + i;
       if (i < L) s_dacs[i] = ld(a.da_cs, o3(a.da_cs, b, h, t));
+      if (i < L && !partial) s_F[i] = ld(a.da_cs_rev, o3(a.da_cs_rev, b, h, t));  // raw here
       s_dt[i] = ld(a.dt, o3(a.dt, b, h, t));
       s_lam[i] = sigmoid_f(ld(a.trap, o3(a.trap, b, h, t)));
+    }
+    // Raw segsum now (its loads overlap the planes'), exponentiated with the decays below.
+    for (int e = tid; e < C * C; e += kPlanesThreads) {
+      const int i = e / C, j = e % C;
+      s_W[e] = !partial && j < i && i < L ? ld(a.segsum, o5(a.segsum, b, h, c, i, j)) : 0.f;
     }
     for (int e = tid; e < L * R * R; e += kPlanesThreads) {
       const int i = e / (R * R), r = (e / R) % R, r2 = e % R;
@@ -375,9 +379,15 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         gam = s_dt[i] * s_lam[i];
         ts = gam + (i + 1 < Lx ? s_dt[i + 1] * (1.f - s_lam[i + 1]) : 0.f);
         E = expf(s_dacs[i]);
-        F = expf(partial ? da_last - s_dacs[i] : ld(a.da_cs_rev, o3(a.da_cs_rev, b, h, s0 + i)));
+        F = expf(partial ? da_last - s_dacs[i] : s_F[i]);
       }
       s_gam[i] = gam, s_ts[i] = ts, s_E[i] = E, s_F[i] = F;
+    }
+    // W[i][j] = exp(segsum[c, i, j]) for j < i < L, else 0; a partial last chunk from da_cs
+    // alone (the tail contract).
+    for (int e = tid; e < C * C; e += kPlanesThreads) {
+      const int i = e / C, j = e % C;
+      s_W[e] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e]) : 0.f;
     }
 
     // ---- phase 1: KQ, XG (one 16 x 16 tile per warp and task)
@@ -426,7 +436,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- dkh. dS_c replaces states[c]; M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)] (j > i).
     float dda_part = 0.f;
-    batched_elements<4>(
+    batched_elements<8>(  // 8 in flight: still no spills with the dqh accumulators live
         N * P, [&](int e) { return make_float2(state_at(e), dS[e]); },
         [&](int e, float2 sd) {
           dda_part += sd.x * sd.y;
