@@ -1,9 +1,16 @@
 // K3 of mamba3_mimo_bwd_bwd on the planes kernel: the chunk pass of mimo_bwd_bwd_kernels.cuh
-// (chunk_body: same formulas, same outputs and workspace partials for K4) for 16-bit q, k, v,
-// with every chunk operand in shared memory as bf16 hi/lo planes split once per chunk (why:
-// chunk_body keeps them in fp32 global scratch and splits every operand at every load; see
-// docs/PERF.md, "Design of that chunk kernel"). Products: mimo::warp_mma_16x16 (three bf16
-// mma.m16n8k16 per tile, fp32 accumulation, ~2^-17 relative error per product).
+// (chunk_body: same formulas, same outputs and workspace partials for K4) for bf16 q, k, v
+// (power-of-two N, P, R, C: see make_plan), with every chunk operand in shared memory as bf16
+// hi/lo planes split once per chunk (why: chunk_body keeps them in fp32 global scratch and
+// splits every operand at every load; see docs/PERF.md, "Design of that chunk kernel").
+// Products: mimo::warp_mma_16x16 (three bf16 mma.m16n8k16 per tile, fp32 accumulation, ~2^-17
+// relative error per product).
+//
+// The element loops (most of the instructions: the products are a few per cent of them) index
+// with shifts and masks (Args::lgN, lgP, lgR, lgC), not runtime divisions, hoist the 64-bit
+// stride products out of the inner loops, and load q, k, v, dout and states with compile-time
+// types (runtime dtypes dispatched once per loop, not per element as ld() does), two
+// consecutive elements per load where the layout allows (Args::vec_*).
 //
 // One CTA of kPlanesThreads (16 warps) per SM, grid-stride over the (b, h, chunk) items (the
 // next item's inputs are prefetched to L2 during this one's phase 3); T = C R rows (zero past
@@ -23,13 +30,100 @@
 //            undone, diagonal terms, DQ, DK, DANGLES, DV and the DMIMO_V partial. The exact fp32
 //            q / k rows these need are reloaded from global memory (L2) instead of kept.
 // Deterministic: fixed tile owners, fixed-order sums, no atomics.
-// K1 has a planes version here too (increment_planes_body), taken together with this K3.
 #pragma once
 
 #include "cuda/bf16_split_mma.cuh"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
 
 namespace mamba3::cuda::bb {
+
+// ------------------------------------------------------------------ typed loads
+
+template <class T>
+struct DTag {
+  using type = T;
+};
+
+// f(DTag<T>{}) for the C++ type T of dtype code dt (0 f16, 1 bf16, 2 f32): a runtime dtype
+// dispatched once per loop, not once per element as ld() does.
+template <class F>
+BB_DEV void with_dtype(int dt, F f) {
+  if (dt == 2)
+    f(DTag<float>{});
+  else if (dt == 1)
+    f(DTag<__nv_bfloat16>{});
+  else
+    f(DTag<__half>{});
+}
+
+// dout of the planes path: bf16 or fp32 (make_plan).
+template <class F>
+BB_DEV void with_dout_dtype(int dt, F f) {
+  if (dt == 2)
+    f(DTag<float>{});
+  else
+    f(DTag<__nv_bfloat16>{});
+}
+
+template <class T>
+BB_DEV T ldg_of(const T* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+BB_DEV float f_of_bits(unsigned short u, DTag<__nv_bfloat16>) {
+  return __bfloat162float(__ushort_as_bfloat16(u));
+}
+BB_DEV float f_of_bits(unsigned short u, DTag<__half>) { return __half2float(__ushort_as_half(u)); }
+
+// Element off of a tensor of dtype T, as float.
+template <class T>
+BB_DEV float ld_t(const View& v, int64_t off) {
+  if constexpr (sizeof(T) == 4)
+    return ldg_of(reinterpret_cast<const float*>(v.p) + off);
+  else
+    return f_of_bits(ldg_of(reinterpret_cast<const unsigned short*>(v.p) + off), DTag<T>{});
+}
+
+// Elements off and off + st (st: the last dim's stride): one load of the pair when vec (unit
+// last stride, off even, aligned: Args::vec_*), else two loads of the same elements.
+template <class T>
+BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
+  if constexpr (sizeof(T) == 4) {
+    const float* p = reinterpret_cast<const float*>(v.p) + off;
+    if (vec) return ldg_of(reinterpret_cast<const float2*>(p));
+    return make_float2(ldg_of(p), ldg_of(p + st));
+  } else {
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(v.p) + off;
+    unsigned short u0, u1;
+    if (vec) {
+      const unsigned int u = ldg_of(reinterpret_cast<const unsigned int*>(p));
+      u0 = static_cast<unsigned short>(u & 0xffffu), u1 = static_cast<unsigned short>(u >> 16);
+    } else {
+      u0 = ldg_of(p), u1 = ldg_of(p + st);
+    }
+    return make_float2(f_of_bits(u0, DTag<T>{}), f_of_bits(u1, DTag<T>{}));
+  }
+}
+
+using bf16_t = __nv_bfloat16;
+
+// dPhiO row (t, r) of dout starts at base + t st + r sr, stride sp along p (dphio_row and
+// dphio_pstride, with the layout switch and the products of b and h done once per chunk).
+struct DoutRows {
+  int64_t base, st, sr, sp;
+};
+BB_DEV DoutRows dout_rows(const Args& a, int b, int h) {
+  const View& d = a.dout;
+  if (a.layout == 0) return {b * d.s[0] + h * d.s[2], d.s[1], 0, d.s[3]};
+  if (a.layout == 1) return {b * d.s[0] + h * d.s[3], d.s[1], d.s[2], d.s[4]};
+  return {b * d.s[0] + h * d.s[1], a.R * d.s[2], d.s[2], d.s[3]};
+}
+
+// ------------------------------------------------------------------ planes helpers
 
 // Stores x as the split pair (hi, lo) at element e of a planes tile.
 BB_DEV void st_split1(const mimo::SplitTile& t, int e, float x) {
@@ -38,14 +132,23 @@ BB_DEV void st_split1(const mimo::SplitTile& t, int e, float x) {
   t.h[t.plane + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
 }
 
+// Elements e, e + 1 (e even): the same bits as two st_split1, in one 4-byte store per plane.
+BB_DEV void st_split_pair(const mimo::SplitTile& t, int e, float2 x) {
+  mimo::st_split2(t.h, t.plane, e, x.x, x.y);
+}
+
 // hi + lo of element e (the operand as the products see it).
 BB_DEV float plane_val(const mimo::SplitTile& t, int e) {
   return __bfloat162float(t.h[e]) + __bfloat162float(t.h[t.plane + e]);
 }
 
 // For a warp's 16 x 16 accumulator tile (rows m0.., columns n0..), the row sums of
-// V[row][col] * acc[row][col] over the tile's 16 columns into part[row * ncol_tiles + n0 / 16].
+// V[row][col] * acc[row][col] over the tile's 16 columns into
+// part[(row * ncol_tiles + n0 / 16) * 3 + Which] (the three partial sums of a row and tile
+// interleaved: one address per row for all three, the others at immediate offsets; three
+// separate arrays kept six more hoisted addresses live across phase 2, which spilled).
 // Every lane of the warp calls it.
+template <int Which>
 BB_DEV void tile_row_dots(const mimo::SplitTile& V, int m0, int n0, const float (&acc)[2][4],
                           float* part, int ncol_tiles) {
   const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
@@ -61,15 +164,15 @@ BB_DEV void tile_row_dots(const mimo::SplitTile& V, int m0, int n0, const float 
   v0 += mimo::mb_shfl_xor(v0, 2);
   v1 += mimo::mb_shfl_xor(v1, 2);
   if (q == 0) {
-    part[(m0 + g) * ncol_tiles + n0 / 16] = v0;
-    part[(m0 + g + 8) * ncol_tiles + n0 / 16] = v1;
+    part[((m0 + g) * ncol_tiles + (n0 >> 4)) * 3 + Which] = v0;
+    part[((m0 + g + 8) * ncol_tiles + (n0 >> 4)) * 3 + Which] = v1;
   }
 }
 
-// acc rows scaled by f[row / R] (rows m0 + g and m0 + g + 8 of the fragment).
-BB_DEV void scale_rows(float (&acc)[2][4], int m0, int R, const float* f) {
+// acc rows scaled by f[row >> lgR] (rows m0 + g and m0 + g + 8 of the fragment).
+BB_DEV void scale_rows(float (&acc)[2][4], int m0, int lgR, const float* f) {
   const int g = (bb_tid() & 31) >> 2;
-  const float s0 = f[(m0 + g) / R], s1 = f[(m0 + g + 8) / R];
+  const float s0 = f[(m0 + g) >> lgR], s1 = f[(m0 + g + 8) >> lgR];
   BB_UNROLL
   for (int j = 0; j < 2; ++j) {
     acc[j][0] *= s0;
@@ -92,23 +195,23 @@ BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int
   }
 }
 
-// For e = tid, tid + NT, ... < n: the loads of a group of U elements are all issued before any
-// of the group's stores (why: with one CTA per SM, a load-then-store chain per element would keep
-// one global load in flight per thread).
-template <int U, int NT = kPlanesThreads, class Load, class Store>
-BB_DEV void batched_elements(int n, Load load, Store store) {
-  for (int e0 = bb_tid(); e0 < n; e0 += U * NT) {
-    decltype(load(0)) v[U] = {};
+// The [nrows][P] element loops: thread tid keeps the column pair (pc, pc + 1),
+// pc = 2 (tid mod P/2), and strides over the rows from tid / (P/2) by NT / (P/2) (no division
+// per element; P is a power of two with P/2 <= NT: make_plan). The loads of U rows are all
+// issued before their stores (why: with one CTA per SM, a load-then-store chain per row would
+// keep one global load in flight per thread).
+template <int U, int NT, class Load, class Store>
+BB_DEV void pair_rows(int nrows, int lgP, Load load, Store store) {
+  const int lgH = lgP - 1, tid = bb_tid();
+  const int pc = (tid & ((1 << lgH) - 1)) * 2, rs = NT >> lgH;
+  for (int r0 = tid >> lgH; r0 < nrows; r0 += U * rs) {
+    decltype(load(0, 0)) v[U] = {};
     BB_UNROLL
-    for (int u = 0; u < U; ++u) {
-      const int e = e0 + u * NT;
-      if (e < n) v[u] = load(e);
-    }
+    for (int u = 0; u < U; ++u)
+      if (r0 + u * rs < nrows) v[u] = load(r0 + u * rs, pc);
     BB_UNROLL
-    for (int u = 0; u < U; ++u) {
-      const int e = e0 + u * NT;
-      if (e < n) store(e, v[u]);
-    }
+    for (int u = 0; u < U; ++u)
+      if (r0 + u * rs < nrows) store(r0 + u * rs, pc, v[u]);
   }
 }
 
@@ -126,7 +229,7 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
   const int c = static_cast<int>(item % a.nch);
   const int64_t bh = item / a.nch;
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), grp = h / a.HG;
-  const int R = a.R, N = a.N, P = a.P, s0 = c * a.C, L = bb_min(a.C, a.S - s0);
+  const int R = a.R, lgR = a.lgR, N = a.N, P = a.P, s0 = c * a.C, L = bb_min(a.C, a.S - s0);
   const bool partial = L < a.C;
   const int LR = L * R, nd = a.layout == 0 ? L : LR;
   const int64_t NP = static_cast<int64_t>(N) * P;
@@ -145,14 +248,15 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
     int64_t off, stride;
     int cnt;
     if (e < g_k) {
-      const int row = e < g_q ? e : e - g_q, i = row / R, r = row % R;
+      const int row = e < g_q ? e : e - g_q, i = row >> lgR, r = row & (R - 1);
       v = e < g_q ? &a.q : &a.k;
       off = int64_t{b} * v->s[0] + (s0 + i) * v->s[1] + r * v->s[2] + int64_t{grp} * v->s[3];
       stride = v->s[4], cnt = N;
     } else if (e < g_v) {
       v = &a.v, off = o3(a.v, b, s0 + e - g_k, h), stride = a.v.s[3], cnt = P;
     } else if (e < g_d) {
-      const int row = e - g_v, i = a.layout == 0 ? row : row / R, r = a.layout == 0 ? 0 : row % R;
+      const int row = e - g_v, i = a.layout == 0 ? row : row >> lgR,
+                r = a.layout == 0 ? 0 : row & (R - 1);
       v = &a.dout, off = dphio_row(a, b, s0 + i, r, h), stride = dphio_pstride(a), cnt = P;
     } else if (e < g_s) {
       v = &a.states, off = o4(a.states, b, h, c, e - g_d), stride = a.states.s[4], cnt = P;
@@ -171,6 +275,59 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
   }
 }
 
+// The rotated, biased rows of q (or k) of one step i as split planes, scaled by `scale`, one
+// task per step and column pair (n, n + 1), n even < half, with its rotation partners
+// (half + n, half + n + 1), over the R ranks: rows i R + r of `out` (zero past the sequence).
+// Each thread keeps its column pair (NT is a multiple of half / 2), steps strided. Loads of RG
+// ranks are issued before their stores (more loads in flight per thread). Same arithmetic per
+// element as the scalar (n, half + n) tasks they replace.
+template <int NT, int RG>
+BB_DEV void rotated_pair_rows(const Args& a, const View& x, const View& bias, bool vec, int b,
+                              int h, int grp, int s0, int L, const float* scale,
+                              const mimo::SplitTile& out, bool scaled) {
+  const int R = a.R, lgR = a.lgR, A = a.A, half = a.half, lgQ = a.lgN - 2;
+  const int64_t sx = x.s[4], x0 = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3];
+  const int64_t sb = bias.s[2], b0 = int64_t{h} * bias.s[0];
+  const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
+  for (int e = bb_tid(); e < (a.C << lgQ); e += NT) {
+    const int i = e >> lgQ, n = (e & ((1 << lgQ) - 1)) * 2;
+    float2 sn = make_float2(0.f, 0.f), cs = make_float2(1.f, 1.f);
+    if (i < L) {
+      const int64_t ao = ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3];
+      if (n < A) bb_sincos(ld(a.angles, ao), &sn.x, &cs.x);
+      if (n + 1 < A) bb_sincos(ld(a.angles, ao + a.angles.s[3]), &sn.y, &cs.y);
+    }
+    const float E = scaled ? (i < L ? scale[i] : 0.f) : 1.f;
+    const int64_t xrow = x0 + (s0 + i) * x.s[1] + n * sx;
+    for (int r0 = 0; r0 < R; r0 += RG) {
+      float2 x1[RG] = {}, x2[RG] = {};  // loads first
+      BB_UNROLL
+      for (int u = 0; u < RG; ++u) {
+        const int r = r0 + u;
+        if (r < R && i < L) {
+          const int64_t o = xrow + r * x.s[2], ob = b0 + r * bias.s[1] + n * sb;
+          const float2 lo = ld2_t<bf16_t>(x, o, sx, vec), hi = ld2_t<bf16_t>(x, o + half * sx, sx, vec);
+          x1[u] = make_float2(lo.x + ld(bias, ob), lo.y + ld(bias, ob + sb));
+          x2[u] = make_float2(hi.x + ld(bias, ob + half * sb), hi.y + ld(bias, ob + (half + 1) * sb));
+        }
+      }
+      BB_UNROLL
+      for (int u = 0; u < RG; ++u) {
+        const int r = r0 + u;
+        if (r < R) {
+          const int row = (i << lgR) + r;
+          float2 y1 = x1[u], y2 = x2[u];
+          if (n < A) y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
+          if (n + 1 < A) y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
+          if (scaled) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
+          st_split_pair(out, row * out.ld + n, y1);
+          st_split_pair(out, row * out.ld + half + n, y2);
+        }
+      }
+    }
+  }
+}
+
 // K1 on planes: U_c = sum over the chunk's rows of (E_i qh_i^r) (x) dPhiO_i^r (as increment_body),
 // one CTA of kIncPlanesThreads per (b, h, c), c >= 1; E qh and dPhiO split into planes once, U in
 // 16 x 16 mma tiles (E qh read transposed: the contraction runs along its rows).
@@ -184,58 +341,42 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
   const int tid = bb_tid(), warp = tid >> 5;
   const int64_t bh = item / a.nch;
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), grp = h / a.HG;
-  const int N = a.N, P = a.P, R = a.R, C = a.C, A = a.A, half = a.half, T = C * R;
+  const int N = a.N, P = a.P, R = a.R, C = a.C, T = C * R, lgR = a.lgR, lgP = a.lgP;
   const int s0 = c * C, L = bb_min(C, a.S - s0), TL = L * R;
   const int ldN = Ly.ldN, ldP = Ly.ldP;
   const mimo::SplitTile EQ{reinterpret_cast<__nv_bfloat16*>(smem), T * ldN, ldN};
   const mimo::SplitTile Gp{reinterpret_cast<__nv_bfloat16*>(smem + Ly.inc_g), T * ldP, ldP};
   float* s_E = reinterpret_cast<float*>(smem + Ly.inc_E);
   for (int i = tid; i < L; i += NT) s_E[i] = expf(ld(a.da_cs, o3(a.da_cs, b, h, s0 + i)));
-  const int64_t dps = dphio_pstride(a);
-  batched_elements<4, NT>(
-      T * P,
-      [&](int e) {
-        const int row = e / P, p = e % P, i = row / R, r = row % R;
-        float vg = 0.f;
-        if (row < TL) {
-          vg = ld(a.dout, dphio_row(a, b, s0 + i, r, h) + p * dps);
-          if (a.layout == 0) vg *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
-        }
-        return vg;
-      },
-      [&](int e, float vg) { st_split1(Gp, e / P * ldP + e % P, vg); });
+  const DoutRows dr = dout_rows(a, b, h);
+  const int64_t mo0 = int64_t{h} * a.mimo_o.s[0], mos = a.mimo_o.s[2];
+  with_dout_dtype(a.dout.dt, [&](auto dtag) {
+    using TD = typename decltype(dtag)::type;
+    pair_rows<4, NT>(
+        T, lgP,
+        [&](int row, int pc) {
+          float2 g = make_float2(0.f, 0.f);
+          if (row < TL) {
+            const int i = row >> lgR, r = row & (R - 1);
+            g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
+                          a.vec_dout);
+            if (a.layout == 0) {
+              const int64_t mo = mo0 + r * a.mimo_o.s[1] + pc * mos;
+              g.x *= ld(a.mimo_o, mo), g.y *= ld(a.mimo_o, mo + mos);
+            }
+          }
+          return g;
+        },
+        [&](int row, int pc, float2 g) { st_split_pair(Gp, row * ldP + pc, g); });
+  });
   bb_sync();  // s_E
-  const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
-  for (int e = tid; e < C * half; e += NT) {
-    const int i = e / half, n = e % half;
-    float sn = 0.f, cs = 1.f;
-    if (i < L && n < A) bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
-    float q1[kMaxR] = {}, q2[kMaxR] = {};  // loads first
-    BB_UNROLL
-    for (int r = 0; r < kMaxR; ++r) {
-      if (r < R && i < L) {
-        const int64_t o = q0 + (s0 + i) * a.q.s[1] + r * a.q.s[2];
-        q1[r] = ld(a.q, o + n * a.q.s[4]) + ld(a.q_bias, o3(a.q_bias, h, r, n));
-        q2[r] = ld(a.q, o + (half + n) * a.q.s[4]) + ld(a.q_bias, o3(a.q_bias, h, r, half + n));
-      }
-    }
-    const float E = i < L ? s_E[i] : 0.f;
-    BB_UNROLL
-    for (int r = 0; r < kMaxR; ++r) {
-      if (r < R) {
-        const int row = i * R + r;
-        float a1 = q1[r], a2 = q2[r];
-        if (n < A) a1 = q1[r] * cs - q2[r] * sn, a2 = q1[r] * sn + q2[r] * cs;
-        st_split1(EQ, row * ldN + n, E * a1);
-        st_split1(EQ, row * ldN + half + n, E * a2);
-      }
-    }
-  }
+  // Two ranks per load group: with four, ptxas spills at K1's 64 registers.
+  rotated_pair_rows<NT, 2>(a, a.q, a.q_bias, a.vec_q, b, h, grp, s0, L, s_E, EQ, true);
   bb_sync();
   float* U = a.ws_ds + item * static_cast<int64_t>(N) * P;
-  const int nP = P / 16;
-  for (int tile = warp; tile < (N / 16) * nP; tile += NT / 32) {
-    const int m0 = tile / nP * 16, n0 = tile % nP * 16;
+  const int lgnP = a.lgtP;  // 16-wide tiles along P
+  for (int tile = warp; tile < (N * P) >> 8; tile += NT / 32) {
+    const int m0 = (tile >> lgnP) * 16, n0 = (tile & ((1 << lgnP) - 1)) * 16;
     float acc[2][4];
     mimo::zero_acc(acc);
     mimo::warp_mma_16x16<true, true>(acc, EQ, m0, Gp, n0, 0, T);
@@ -243,15 +384,23 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
   }
 }
 
+// (x, dPhiO) pair of a [T][P] row: x = v mimo_v, g = dPhiO.
+struct XGPair {
+  float2 x, g;
+};
+
 // smem: PlanesLayout::bytes of dynamic shared memory (16-byte aligned); kPlanesThreads threads.
 BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
   using mimo::SplitTile;
   using mimo::warp_mma_16x16;
+  constexpr int NT = kPlanesThreads;
   const PlanesLayout& Ly = a.ply;
   const int tid = bb_tid(), warp = tid >> 5;
   const int N = a.N, P = a.P, R = a.R, C = a.C, A = a.A, half = a.half, T = C * R;
+  const int lgN = a.lgN, lgP = a.lgP, lgR = a.lgR, lgC = a.lgC, lgT = a.lgT;
   const int ldN = Ly.ldN, ldP = Ly.ldP, ldT = Ly.ldT;
-  const int nN = N / 16, nP = P / 16, nT = T / 16;  // 16-wide tiles along N, P, T
+  const int nN = N / 16, nT = T / 16;  // 16-wide tiles along N, T
+  const int lgnN = a.lgtN, lgnP = a.lgtP, lgnT = a.lgtT;
   auto bfp = [&](int off) { return reinterpret_cast<__nv_bfloat16*>(smem + off); };
   auto flp = [&](int off) { return reinterpret_cast<float*>(smem + off); };
   const SplitTile Qh{bfp(Ly.qh), T * ldN, ldN}, Kh{bfp(Ly.kh), T * ldN, ldN};
@@ -264,10 +413,11 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
   float* dx = flp(Ly.x);    // from the dx products on: [T][P]
   float *s_dacs = flp(Ly.dacs), *s_dt = flp(Ly.dt), *s_lam = flp(Ly.lam), *s_E = flp(Ly.E),
         *s_F = flp(Ly.F), *s_ts = flp(Ly.ts), *s_gam = flp(Ly.gam), *s_qk = flp(Ly.qk),
-        *red = flp(Ly.red), *s_W = flp(Ly.W);
-  float* part_cs = flp(Ly.part);            // [T][nN] qh . SG
-  float* part_rev = part_cs + T * nN;       // [T][nN] kh . SX
-  float* part_fac = part_rev + T * nN;      // [T][nN] kh . dkh
+        *red = flp(Ly.red);
+  // [T][nN][3]: per row and 16-column tile, qh . SG (DDA_CS), kh . SX (DDA_CS_REV),
+  // kh . dkh (DFACTOR).
+  float* part = flp(Ly.part);
+  constexpr int kPartCs = 0, kPartRev = 1, kPartFac = 2;
 
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
   for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
@@ -279,121 +429,96 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
     const int64_t NP = static_cast<int64_t>(N) * P;
     const float* dS = a.ws_ds + item * NP;
-    const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
-    const int64_t k0 = int64_t{b} * a.k.s[0] + int64_t{grp} * a.k.s[3];
-    // Biased q / k element (row = i R + r of this chunk, column n), exact fp32.
-    auto qb_at = [&](int i, int r, int n) {
-      return ld(a.q, q0 + (s0 + i) * a.q.s[1] + r * a.q.s[2] + n * a.q.s[4]) +
-             ld(a.q_bias, o3(a.q_bias, h, r, n));
+    // The 64-bit base offsets below are formed in the loop (or block) that uses them, not here:
+    // kept live across phase 2 they cost spills at its 128 registers.
+    // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
+    auto Wf = [&](int i, int j) {
+      return expf(partial ? s_dacs[i] - s_dacs[j]
+                          : ld(a.segsum, o3(a.segsum, b, h, c) + i * a.segsum.s[3] +
+                                             j * a.segsum.s[4]));
     };
-    auto kb_at = [&](int i, int r, int n) {
-      return ld(a.k, k0 + (s0 + i) * a.k.s[1] + r * a.k.s[2] + n * a.k.s[4]) +
-             ld(a.k_bias, o3(a.k_bias, h, r, n));
-    };
-    auto Wf = [&](int i, int j) { return s_W[i * C + j]; };  // exp(segsum[c, i, j])
 
     // ---- phase 0: per-step inputs, planes
-    for (int i = tid; i < Lx; i += kPlanesThreads) {
+    for (int i = tid; i < Lx; i += NT) {
       const int t = s0 + i;
       if (i < L) s_dacs[i] = ld(a.da_cs, o3(a.da_cs, b, h, t));
-      if (i < L && !partial) s_F[i] = ld(a.da_cs_rev, o3(a.da_cs_rev, b, h, t));  // raw here
       s_dt[i] = ld(a.dt, o3(a.dt, b, h, t));
       s_lam[i] = sigmoid_f(ld(a.trap, o3(a.trap, b, h, t)));
     }
-    // Raw segsum now (its loads overlap the planes'), exponentiated with the decays below.
-    for (int e = tid; e < C * C; e += kPlanesThreads) {
-      const int i = e / C, j = e % C;
-      s_W[e] = !partial && j < i && i < L ? ld(a.segsum, o5(a.segsum, b, h, c, i, j)) : 0.f;
-    }
-    for (int e = tid; e < L * R * R; e += kPlanesThreads) {
-      const int i = e / (R * R), r = (e / R) % R, r2 = e % R;
-      s_qk[e] = ld(a.qk_dot, o5(a.qk_dot, b, h, s0 + i, r, r2));
-    }
-    // qh, kh: one task per step and rotation pair (n, half + n), n < half, over the R ranks
-    // (one sincos per step and angle).
-    for (int e = tid; e < C * half; e += kPlanesThreads) {
-      const int i = e / half, n = e % half;
-      float sn = 0.f, cs = 1.f;
-      if (i < L && n < A) bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
-      float q1[kMaxR] = {}, q2[kMaxR] = {}, k1[kMaxR] = {}, k2[kMaxR] = {};  // loads first
-      BB_UNROLL
-      for (int r = 0; r < kMaxR; ++r) {
-        if (r < R && i < L) {
-          q1[r] = qb_at(i, r, n), q2[r] = qb_at(i, r, half + n);
-          k1[r] = kb_at(i, r, n), k2[r] = kb_at(i, r, half + n);
-        }
-      }
-      BB_UNROLL
-      for (int r = 0; r < kMaxR; ++r) {
-        if (r < R) {
-          const int row = i * R + r;
-          float a1 = q1[r], a2 = q2[r], b1 = k1[r], b2 = k2[r];
-          if (n < A) {
-            a1 = q1[r] * cs - q2[r] * sn, a2 = q1[r] * sn + q2[r] * cs;
-            b1 = k1[r] * cs - k2[r] * sn, b2 = k1[r] * sn + k2[r] * cs;
-          }
-          st_split1(Qh, row * ldN + n, a1);
-          st_split1(Qh, row * ldN + half + n, a2);
-          st_split1(Kh, row * ldN + n, b1);
-          st_split1(Kh, row * ldN + half + n, b2);
-        }
+    {
+      const int64_t qk0 = o3(a.qk_dot, b, h, s0);
+      for (int e = tid; e < (L << (2 * lgR)); e += NT) {
+        const int i = e >> (2 * lgR), r = (e >> lgR) & (R - 1), r2 = e & (R - 1);
+        s_qk[e] = ld(a.qk_dot, qk0 + i * a.qk_dot.s[2] + r * a.qk_dot.s[3] + r2 * a.qk_dot.s[4]);
       }
     }
-    const int64_t dps = dphio_pstride(a);
+    // qh, kh: tasks per step and rotation column pair over the R ranks.
+    rotated_pair_rows<NT, 4>(a, a.q, a.q_bias, a.vec_q, b, h, grp, s0, L, nullptr, Qh, false);
+    rotated_pair_rows<NT, 4>(a, a.k, a.k_bias, a.vec_k, b, h, grp, s0, L, nullptr, Kh, false);
     float dd_part = 0.f;
-    batched_elements<8>(  // 8 in flight: no accumulators are live in phase 0
-        T * P,
-        [&](int e) {  // (x, dPhiO)
-          const int row = e / P, p = e % P, i = row / R, r = row % R, t = s0 + i;
-          float2 xg = make_float2(0.f, 0.f);
-          if (row < TL) {
-            xg.x = ld(a.v, o3(a.v, b, t, h) + p * a.v.s[3]) * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
-            xg.y = ld(a.dout, dphio_row(a, b, t, r, h) + p * dps);
-            if (a.layout == 0) xg.y *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
-          }
-          return xg;
-        },
-        [&](int e, float2 xg) {
-          const int row = e / P, p = e % P;
-          dd_part += xg.y * xg.x;
-          st_split1(X, row * ldP + p, xg.x);
-          st_split1(Gp, row * ldP + p, xg.y);
-        });
-    const int64_t sb = o3(a.states, b, h, c);
-    auto state_at = [&](int e) {
-      return ld(a.states, sb + (e / P) * a.states.s[3] + (e % P) * a.states.s[4]);
-    };
-    batched_elements<8>(
-        N * P, state_at, [&](int e, float v) { st_split1(Sp, e / P * ldP + e % P, v); });
+    with_dout_dtype(a.dout.dt, [&](auto dtag) {
+      using TD = typename decltype(dtag)::type;
+      const DoutRows dr = dout_rows(a, b, h);
+      const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
+      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0], mvs = a.mimo_v.s[2];
+      const int64_t mo0 = int64_t{h} * a.mimo_o.s[0], mos = a.mimo_o.s[2];
+      pair_rows<4, NT>(
+          T, lgP,
+          [&](int row, int pc) {
+            XGPair o{};  // zero past the sequence
+            if (row < TL) {
+              const int i = row >> lgR, r = row & (R - 1);
+              const float2 vv = ld2_t<bf16_t>(a.v, v0 + (s0 + i) * a.v.s[1] + pc * vs, vs, a.vec_v);
+              const int64_t mv = mv0 + r * a.mimo_v.s[1] + pc * mvs;
+              o.x = make_float2(vv.x * ld(a.mimo_v, mv), vv.y * ld(a.mimo_v, mv + mvs));
+              o.g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
+                              a.vec_dout);
+              if (a.layout == 0) {
+                const int64_t mo = mo0 + r * a.mimo_o.s[1] + pc * mos;
+                o.g.x *= ld(a.mimo_o, mo), o.g.y *= ld(a.mimo_o, mo + mos);
+              }
+            }
+            return o;
+          },
+          [&](int row, int pc, const XGPair& o) {
+            dd_part += o.g.x * o.x.x;
+            dd_part += o.g.y * o.x.y;
+            st_split_pair(X, row * ldP + pc, o.x);
+            st_split_pair(Gp, row * ldP + pc, o.g);
+          });
+    });
+    with_dtype(a.states.dt, [&](auto stag) {
+      using TS = typename decltype(stag)::type;
+      const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
+      pair_rows<4, NT>(
+          N, lgP,
+          [&](int n, int pc) { return ld2_t<TS>(a.states, sb + n * ss3 + pc * ss4, ss4, a.vec_states); },
+          [&](int n, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
+    });
     if (a.has_d) {  // uniform over the block; its barriers also end the loads above
-      const float tot = block_sum<kPlanesThreads>(dd_part, red);
+      const float tot = block_sum<NT>(dd_part, red);
       if (tid == 0) a.ws_dd[item] = tot;
     } else {
       bb_sync();
     }
     // Decays of the steps; zero past the sequence (those rows are zero, their products too).
     const float da_last = s_dacs[L - 1];
-    for (int i = tid; i < C; i += kPlanesThreads) {
+    for (int i = tid; i < C; i += NT) {
       float gam = 0.f, ts = 0.f, E = 0.f, F = 0.f;
       if (i < L) {
         gam = s_dt[i] * s_lam[i];
         ts = gam + (i + 1 < Lx ? s_dt[i + 1] * (1.f - s_lam[i + 1]) : 0.f);
         E = expf(s_dacs[i]);
-        F = expf(partial ? da_last - s_dacs[i] : s_F[i]);
+        F = expf(partial ? da_last - s_dacs[i] : ld(a.da_cs_rev, o3(a.da_cs_rev, b, h, s0 + i)));
       }
       s_gam[i] = gam, s_ts[i] = ts, s_E[i] = E, s_F[i] = F;
-    }
-    // W[i][j] = exp(segsum[c, i, j]) for j < i < L, else 0; a partial last chunk from da_cs
-    // alone (the tail contract).
-    for (int e = tid; e < C * C; e += kPlanesThreads) {
-      const int i = e / C, j = e % C;
-      s_W[e] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e]) : 0.f;
     }
 
     // ---- phase 1: KQ, XG (one 16 x 16 tile per warp and task)
     for (int tile = warp; tile < 2 * nT * nT; tile += kPlanesWarps) {
       const bool xg = tile >= nT * nT;
-      const int t2 = xg ? tile - nT * nT : tile, m0 = t2 / nT * 16, n0 = t2 % nT * 16;
+      const int t2 = xg ? tile - nT * nT : tile;
+      const int m0 = (t2 >> lgnT) * 16, n0 = (t2 & (nT - 1)) * 16;
       float acc[2][4];
       mimo::zero_acc(acc);
       if (xg)
@@ -407,13 +532,13 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
     // The coefficient matrices are built by (row, step j) tasks over the R ranks of j: one
     // exp(segsum) per task, not per element.
-    for (int e = tid; e < T * C; e += kPlanesThreads) {
-      const int row = e / C, j = e % C, i = row / R;
+    for (int e = tid; e < (T << lgC); e += NT) {
+      const int row = e >> lgC, j = e & (C - 1), i = row >> lgR;
       const bool live = j < i && row < TL;
       const float w = live ? Wf(i, j) * s_ts[j] : 0.f;
       for (int r1 = 0; r1 < R; ++r1) {
-        const int ra = j * R + r1;
-        st_split1(Mc, row * ldT + ra, live ? w * XG[ra * T + row] : 0.f);
+        const int ra = (j << lgR) + r1;
+        st_split1(Mc, row * ldT + ra, live ? w * XG[(ra << lgT) + row] : 0.f);
       }
     }
     bb_sync();
@@ -423,12 +548,12 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int tile = warp + u * kPlanesWarps;
       mimo::zero_acc(accq[u]);
       if (tile < nT * nN) {
-        const int m0 = tile / nN * 16, n0 = tile % nN * 16;
+        const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
         warp_mma_16x16<false, false>(accq[u], Gp, m0, Sp, n0, 0, P);  // SG = dPhiO St^T
-        tile_row_dots(Qh, m0, n0, accq[u], part_cs, nN);
-        scale_rows(accq[u], m0, R, s_E);
+        tile_row_dots<kPartCs>(Qh, m0, n0, accq[u], part, nN);
+        scale_rows(accq[u], m0, lgR, s_E);
         // Keys of steps before the tile's last row's step (M1 is zero from there on).
-        const int ke = bb_min(T, ((m0 + 15) / R * R + 15) / 16 * 16);
+        const int ke = bb_min(T, ((((m0 + 15) >> lgR) << lgR) + 15) & ~15);
         warp_mma_16x16<false, true>(accq[u], Mc, m0, Kh, n0, 0, ke);
       }
     }
@@ -436,69 +561,81 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- dkh. dS_c replaces states[c]; M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)] (j > i).
     float dda_part = 0.f;
-    batched_elements<8>(  // 8 in flight: still no spills with the dqh accumulators live
-        N * P, [&](int e) { return make_float2(state_at(e), dS[e]); },
-        [&](int e, float2 sd) {
-          dda_part += sd.x * sd.y;
-          st_split1(Sp, e / P * ldP + e % P, sd.y);
-        });
-    for (int e = tid; e < T * C; e += kPlanesThreads) {
-      const int row = e / C, j = e % C, i = row / R;
+    with_dtype(a.states.dt, [&](auto stag) {
+      using TS = typename decltype(stag)::type;
+      const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
+      pair_rows<4, NT>(
+          N, lgP,
+          [&](int n, int pc) {
+            const float2 st = ld2_t<TS>(a.states, sb + n * ss3 + pc * ss4, ss4, a.vec_states);
+            // dS: the workspace, [N][P] fp32 at an even element offset (8-byte aligned).
+            const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
+            return make_float4(st.x, st.y, ds.x, ds.y);
+          },
+          [&](int n, int pc, float4 sd) {
+            dda_part += sd.x * sd.z;
+            dda_part += sd.y * sd.w;
+            st_split_pair(Sp, n * ldP + pc, make_float2(sd.z, sd.w));
+          });
+    });
+    for (int e = tid; e < (T << lgC); e += NT) {
+      const int row = e >> lgC, j = e & (C - 1), i = row >> lgR;
       const bool live = j > i && j < L;
       const float w = live ? Wf(j, i) : 0.f;
       for (int r = 0; r < R; ++r) {
-        const int rb = j * R + r;
-        st_split1(Mc, row * ldT + rb, live ? w * XG[row * T + rb] : 0.f);
+        const int rb = (j << lgR) + r;
+        st_split1(Mc, row * ldT + rb, live ? w * XG[(row << lgT) + rb] : 0.f);
       }
     }
-    const float dda = expf(da_last) * block_sum<kPlanesThreads>(dda_part, red);  // + barrier
+    const float dda = expf(da_last) * block_sum<NT>(dda_part, red);  // + barrier
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
       const int tile = warp + u * kPlanesWarps;
       mimo::zero_acc(acck[u]);
       if (tile < nT * nN) {
-        const int m0 = tile / nN * 16, n0 = tile % nN * 16;
+        const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
         warp_mma_16x16<false, false>(acck[u], X, m0, Sp, n0, 0, P);  // SX = x dS^T
-        tile_row_dots(Kh, m0, n0, acck[u], part_rev, nN);
-        scale_rows(acck[u], m0, R, s_F);
+        tile_row_dots<kPartRev>(Kh, m0, n0, acck[u], part, nN);
+        scale_rows(acck[u], m0, lgR, s_F);
         // Queries of steps after the tile's first row's step.
-        const int kb = bb_min(T, (m0 / R + 1) * R) / 16 * 16;
+        const int kb = bb_min(T, ((m0 >> lgR) + 1) << lgR) & ~15;
         warp_mma_16x16<false, true>(acck[u], Mc, m0, Qh, n0, kb, T);
-        tile_row_dots(Kh, m0, n0, acck[u], part_fac, nN);
+        tile_row_dots<kPartFac>(Kh, m0, n0, acck[u], part, nN);
       }
     }
     bb_sync();  // mc is rewritten next; x is dead (dx goes there)
 
     // ---- dx. M3[(i,r2)][(j,r)] = W[j][i] ts_i KQ[(i,r2)][(j,r)] (j > i),
     //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
-    for (int e = tid; e < T * C; e += kPlanesThreads) {
-      const int row = e / C, j = e % C, i = row / R, r2 = row % R;
+    for (int e = tid; e < (T << lgC); e += NT) {
+      const int row = e >> lgC, j = e & (C - 1), i = row >> lgR, r2 = row & (R - 1);
       const bool live = row < TL && j < L;
       const float w = live && j > i ? Wf(j, i) * s_ts[i] : 0.f;
       for (int r = 0; r < R; ++r) {
-        const int rb = j * R + r;
+        const int rb = (j << lgR) + r;
         float m = 0.f;
         if (live) {
           if (j > i)
-            m = w * KQ[row * T + rb];
+            m = w * KQ[(row << lgT) + rb];
           else if (j == i)
-            m = s_gam[i] * s_qk[(i * R + r) * R + r2] + (r == r2 ? Dh : 0.f);
+            m = s_gam[i] * s_qk[(((i << lgR) + r) << lgR) + r2] + (r == r2 ? Dh : 0.f);
         }
         st_split1(Mc, row * ldT + rb, m);
       }
     }
     // Per-step outputs (the row partials are complete since the last barrier).
-    for (int i = tid; i < L; i += kPlanesThreads) {
+    for (int i = tid; i < L; i += NT) {
       float cs = 0.f, rev = 0.f, fac = 0.f;
       for (int r = 0; r < R; ++r)
         for (int nt = 0; nt < nN; ++nt) {
-          const int k = (i * R + r) * nN + nt;
-          cs += part_cs[k], rev += part_rev[k], fac += part_fac[k];
+          const int k = ((((i << lgR) + r) << lgnN) + nt) * 3;
+          cs += part[k + kPartCs], rev += part[k + kPartRev], fac += part[k + kPartFac];
         }
       float dgam = 0.f;
       for (int r = 0; r < R; ++r)
         for (int r2 = 0; r2 < R; ++r2)
-          dgam += s_qk[(i * R + r) * R + r2] * XG[(i * R + r2) * T + i * R + r];
+          dgam += s_qk[(((i << lgR) + r) << lgR) + r2] *
+                  XG[(((i << lgR) + r2) << lgT) + (i << lgR) + r];
       const int t = s0 + i;
       st(a.dda, o3(a.dda, b, h, t), dda);
       st(a.dda_cs, o3(a.dda_cs, b, h, t), cs);
@@ -506,30 +643,33 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       st(a.dfactor, o3(a.dfactor, b, h, t), fac);
       st(a.dgamma, o3(a.dgamma, b, h, t), dgam);
     }
-    for (int e = tid; e < C * C; e += kPlanesThreads) {
-      // DSSDA[s, t]: every pair of valid steps, unmasked; rows / columns past the sequence 0.
-      const int s = e / C, tq = e % C;
-      float acc = 0.f;
-      if (s < L && tq < L) {
-        for (int r2 = 0; r2 < R; ++r2)
-          for (int r = 0; r < R; ++r) {
-            const int idx = (s * R + r2) * T + tq * R + r;
-            acc += KQ[idx] * XG[idx];
-          }
-        acc *= s_ts[s];
+    {
+      const int64_t dss0 = o3(a.dssda, b, h, c);
+      for (int e = tid; e < (C << lgC); e += NT) {
+        // DSSDA[s, t]: every pair of valid steps, unmasked; rows / columns past the sequence 0.
+        const int s = e >> lgC, tq = e & (C - 1);
+        float acc = 0.f;
+        if (s < L && tq < L) {
+          for (int r2 = 0; r2 < R; ++r2)
+            for (int r = 0; r < R; ++r) {
+              const int idx = (((s << lgR) + r2) << lgT) + (tq << lgR) + r;
+              acc += KQ[idx] * XG[idx];
+            }
+          acc *= s_ts[s];
+        }
+        st(a.dssda, dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4], acc);
       }
-      st(a.dssda, o5(a.dssda, b, h, c, s, tq), acc);
     }
     bb_sync();
-    for (int tile = warp; tile < nT * nP; tile += kPlanesWarps) {
-      const int m0 = tile / nP * 16, p0 = tile % nP * 16;
+    for (int tile = warp; tile < (T * P) >> 8; tile += kPlanesWarps) {
+      const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;
       float acc[2][4];
       mimo::zero_acc(acc);
       warp_mma_16x16<false, true>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
-      scale_rows(acc, m0, R, s_F);
-      scale_rows(acc, m0, R, s_ts);
+      scale_rows(acc, m0, lgR, s_F);
+      scale_rows(acc, m0, lgR, s_ts);
       // From the first row's own step on.
-      warp_mma_16x16<false, true>(acc, Mc, m0, Gp, p0, m0 / R * R / 16 * 16, T);
+      warp_mma_16x16<false, true>(acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
       store_tile(acc, m0, p0, dx, P);
     }
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
@@ -539,7 +679,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
       const int tile = warp + u * kPlanesWarps;
       if (tile < nT * nN) {
-        const int m0 = tile / nN * 16, n0 = tile % nN * 16;
+        const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
         store_tile(accq[u], m0, n0, dqh, N);
         store_tile(acck[u], m0, n0, dkh, N);
       }
@@ -550,12 +690,29 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     // DQ, DK, DANGLES: one task per step and rotation pair (n, half + n) over the R ranks, so
     // that the exact q / k rows of the diagonal terms are loaded once per task (R each), not
     // once per output row, and one sincos serves the step.
-    for (int e = tid; e < L * half; e += kPlanesThreads) {
-      const int i = e / half, n = e % half;
+    const int lgH = lgN - 1;
+    const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
+    const int64_t k0 = int64_t{b} * a.k.s[0] + int64_t{grp} * a.k.s[3];
+    const int64_t qbias0 = int64_t{h} * a.q_bias.s[0], kbias0 = int64_t{h} * a.k_bias.s[0];
+    // Biased q / k element (row = i R + r of this chunk, column n), exact fp32.
+    auto qb_at = [&](int i, int r, int n) {
+      return ld_t<bf16_t>(a.q, q0 + (s0 + i) * a.q.s[1] + r * a.q.s[2] + n * a.q.s[4]) +
+             ld(a.q_bias, qbias0 + r * a.q_bias.s[1] + n * a.q_bias.s[2]);
+    };
+    auto kb_at = [&](int i, int r, int n) {
+      return ld_t<bf16_t>(a.k, k0 + (s0 + i) * a.k.s[1] + r * a.k.s[2] + n * a.k.s[4]) +
+             ld(a.k_bias, kbias0 + r * a.k_bias.s[1] + n * a.k_bias.s[2]);
+    };
+    const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
+    const int64_t dang0 = int64_t{b} * a.dangles.s[0] + int64_t{h} * a.dangles.s[2];
+    const int64_t dq0 = int64_t{b} * a.dq.s[0] + int64_t{h} * a.dq.s[2];
+    const int64_t dk0 = int64_t{b} * a.dk.s[0] + int64_t{h} * a.dk.s[2];
+    for (int e = tid; e < (L << lgH); e += NT) {
+      const int i = e >> lgH, n = e & (half - 1);
       const float ts = s_ts[i], gam = s_gam[i];
       const bool rot = n < A;
       float sn = 0.f, cs = 1.f;
-      if (rot) bb_sincos(ld(a.angles, o4(a.angles, b, s0 + i, h, n)), &sn, &cs);
+      if (rot) bb_sincos(ld(a.angles, ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3]), &sn, &cs);
       float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];  // biased, unrotated
       BB_UNROLL
       for (int r = 0; r < kMaxR; ++r) {
@@ -568,7 +725,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       BB_UNROLL
       for (int r = 0; r < kMaxR; ++r) {
         if (r < R) {
-          const int row = i * R + r, base = row * N;
+          const int row = (i << lgR) + r, base = row << lgN;
           const float q0 = dqh[base + n], q1 = dqh[base + half + n];
           const float g0 = dkh[base + n] * ts, g1 = dkh[base + half + n] * ts;
           float oq0 = q0, oq1 = q1, ok0 = g0, ok1 = g1;
@@ -584,38 +741,46 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
           BB_UNROLL
           for (int r2 = 0; r2 < kMaxR; ++r2) {
             if (r2 < R) {
-              const float xq = gam * XG[(i * R + r2) * T + row];
+              const float xq = gam * XG[(((i << lgR) + r2) << lgT) + row];
               oq0 += xq * kb1[r2], oq1 += xq * kb2[r2];
             }
           }
           BB_UNROLL
           for (int r1 = 0; r1 < kMaxR; ++r1) {
             if (r1 < R) {
-              const float xk = gam * XG[row * T + i * R + r1];
+              const float xk = gam * XG[(row << lgT) + (i << lgR) + r1];
               ok0 += xk * qb1[r1], ok1 += xk * qb2[r1];
             }
           }
           const int64_t orow = static_cast<int64_t>(s0 + i) * R + r;
-          st(a.dq, o4(a.dq, b, orow, h, n), oq0);
-          st(a.dq, o4(a.dq, b, orow, h, half + n), oq1);
-          st(a.dk, o4(a.dk, b, orow, h, n), ok0);
-          st(a.dk, o4(a.dk, b, orow, h, half + n), ok1);
+          const int64_t oq = dq0 + orow * a.dq.s[1], ok = dk0 + orow * a.dk.s[1];
+          st(a.dq, oq + n * a.dq.s[3], oq0);
+          st(a.dq, oq + (half + n) * a.dq.s[3], oq1);
+          st(a.dk, ok + n * a.dk.s[3], ok0);
+          st(a.dk, ok + (half + n) * a.dk.s[3], ok1);
         }
       }
-      if (rot) st(a.dangles, o4(a.dangles, b, s0 + i, h, n), dang);
+      if (rot) st(a.dangles, dang0 + (s0 + i) * a.dangles.s[1] + n * a.dangles.s[3], dang);
     }
-    for (int e = tid; e < L * P; e += kPlanesThreads) {
-      const int i = e / P, p = e % P;
-      float acc = 0.f;
-      for (int r = 0; r < R; ++r)
-        acc += dx[(i * R + r) * P + p] * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
-      st(a.dv, o4(a.dv, b, s0 + i, h, p), acc);
+    const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
+    {
+      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0], mvs = a.mimo_v.s[2];
+      const int64_t dv0 = int64_t{b} * a.dv.s[0] + int64_t{h} * a.dv.s[2];
+      for (int e = tid; e < (L << lgP); e += NT) {
+        const int i = e >> lgP, p = e & (P - 1);
+        const int64_t mv = mv0 + p * mvs;
+        float acc = 0.f;
+        for (int r = 0; r < R; ++r)
+          acc += dx[(((i << lgR) + r) << lgP) + p] * ld(a.mimo_v, mv + r * a.mimo_v.s[1]);
+        st(a.dv, dv0 + (s0 + i) * a.dv.s[1] + p * a.dv.s[3], acc);
+      }
     }
-    for (int e = tid; e < R * P; e += kPlanesThreads) {
-      const int r = e / P, p = e % P;
+    for (int e = tid; e < (R << lgP); e += NT) {
+      const int r = e >> lgP, p = e & (P - 1);
+      const int64_t vp = v0 + int64_t{s0} * a.v.s[1] + p * vs;
       float acc = 0.f;
       for (int i = 0; i < L; ++i)
-        acc += dx[(i * R + r) * P + p] * ld(a.v, o4(a.v, b, s0 + i, h, p));
+        acc += dx[(((i << lgR) + r) << lgP) + p] * ld_t<bf16_t>(a.v, vp + i * a.v.s[1]);
       a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }
     bb_sync();  // shared memory is rewritten for the next chunk

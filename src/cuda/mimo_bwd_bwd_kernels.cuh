@@ -18,10 +18,12 @@
 //      chunk's rows (rotated q / k, x, dPhiO) in fp32, the pairwise products KQ / XG, then every
 //      output of the chunk: DQ, DK, DV, DANGLES, DFACTOR, DGAMMA, DDA, DSSDA, DDA_CS_REV, DDA_CS,
 //      and the chunk's partials of DMIMO_V and DD.
-//   For 16-bit q, k, v (when the planes fit the shared memory: all of SPEC.md's grid) the plan
-//   takes the planes kernels for K1 and K3 instead (mimo_bwd_bwd_chunk_planes.cuh: operands as
-//   bf16 hi/lo planes in shared memory, mma products; same U_c, outputs and partials; K3 one
-//   CTA per SM, grid-stride); increment_body and chunk_body stay for the rest.
+//   For bf16 q, k, v with power-of-two N, P, R, C (when the planes fit the shared memory: all
+//   of SPEC.md's grid) the plan takes the planes kernels for K1 and K3 instead
+//   (mimo_bwd_bwd_chunk_planes.cuh: operands as bf16 hi/lo planes in shared memory, mma
+//   products; same U_c, outputs and partials; K3 one CTA per SM, grid-stride);
+//   increment_body and chunk_body stay for the rest (fp16 activations among them: see
+//   make_plan).
 //   K4: sums those partials over the chunks in a fixed order (compensated): DMIMO_V, DD.
 // Determinism: every reduction runs in one thread or through a fixed-shape block tree; nothing
 // depends on scheduling (no atomics), so repeated calls give identical bits.
@@ -99,9 +101,8 @@ struct PlanesLayout {
   int qh = 0, kh = 0, x = 0, g = 0, st = 0, mc = 0;
   int kq = 0, xg = 0;  // fp32 [T][T]
   // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
-  // [kPlanesThreads], three per-row partial sums [T][N / 16] and exp(segsum) [C][C].
-  int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0,
-      W = 0;
+  // [kPlanesThreads] and three per-row partial sums [T][N / 16][3].
+  int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0;
   int64_t bytes = 0;
   // K1 on planes (increment_planes_body, kIncPlanesThreads): E qh [T][ldN] and dPhiO [T][ldP]
   // planes, then E [C] (fp32).
@@ -139,7 +140,6 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C) {
   L.qk = take(4 * C * R * R);
   L.red = take(4 * kPlanesThreads);
   L.part = take(4 * 3 * T * (N / 16));
-  L.W = take(4 * C * C);
   L.bytes = o;
   o = 0;
   take(bf2 * T * L.ldN);
@@ -177,6 +177,13 @@ struct Args {
   int planes;        // K1 and K3 are the planes kernels (else increment_body, chunk_body)
   int prefetch;      // the planes K3 prefetches its next chunk's inputs to L2
   PlanesLayout ply;  // its shared-memory layout
+  // Planes path only (N, P, R, C powers of two there): their log2, so that the element loops
+  // index with shifts and masks, not runtime divisions.
+  int lgN, lgP, lgR, lgC, lgT;  // T = C R
+  int lgtN, lgtP, lgtT;          // log2 of the 16-wide tile counts along N, P, T
+  // Planes path: q, k, v, dout, states take pair loads (two consecutive elements of the last dim
+  // in one load; see pair_layout), else two scalar loads of the same elements (same values).
+  int vec_q, vec_k, vec_v, vec_dout, vec_states;
 };
 
 // K3's shared memory (per CTA).
@@ -916,10 +923,23 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
           p.P % 16 == 0;
   // The planes kernel for those, when a chunk's rows are at most 64 (its coefficient matrices),
   // its dqh / dkh / dx tiles fit kPlanesTilesPerWarp per warp and its planes the shared memory
-  // (all of SPEC.md's grid at 16-bit activations). It needs no scratch slots.
+  // (all of SPEC.md's grid at bf16 activations). It needs no scratch slots. Further conditions:
+  //  - bf16 q, k, v (fp16 keeps chunk_body: its tolerance is ~8x tighter than bf16's, too tight
+  //    for the ~2^-17 per product of the bf16 hi/lo split, as in the first pass's lean path;
+  //    see docs/PERF.md), a bf16 or fp32 dout (the combined backward hands over fp32): the
+  //    kernels load them with compile-time types;
+  //  - N, P, R, C powers of two (all of SPEC.md's grid: N 16..256, P 32..128, R 1..8,
+  //    C 8..64): its element loops index with shifts (Args::lgN ...); other shapes keep
+  //    increment_body / chunk_body;
+  //  - P <= 2 kIncPlanesThreads: the [rows][P] loops give each thread a fixed column pair.
   pl.ply = planes_layout(p.N, p.P, p.R, p.C);
   const int64_t tiles_max = int64_t{kPlanesWarps} * kPlanesTilesPerWarp * 256;
-  pl.planes = allow_planes && planes_allowed_by_env() && pl.tc && Tm <= 64 &&
+  auto pow2 = [](int64_t x) { return x > 0 && (x & (x - 1)) == 0; };
+  const bool bf16_io = p.q.dtype == DType::BF16 && p.k.dtype == DType::BF16 &&
+                       p.v.dtype == DType::BF16 &&
+                       (p.dout.dtype == DType::BF16 || p.dout.dtype == DType::F32);
+  pl.planes = allow_planes && planes_allowed_by_env() && pl.tc && bf16_io && pow2(p.N) &&
+              pow2(p.P) && pow2(p.R) && pow2(p.C) && p.P <= 2 * kIncPlanesThreads && Tm <= 64 &&
               Tm * p.N <= tiles_max && Tm * p.P <= tiles_max && pl.ply.bytes <= kPlanesSmemMax;
   pl.nslots = pl.planes ? 0 : std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
   // + kAlign: the caller's pointer is rounded up to kAlign bytes.
@@ -936,6 +956,25 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
   if (pl.k1_rows >= 8) pl.k1_rows &= ~7;  // whole mma k-steps per tile
   pl.smem1 = static_cast<size_t>(pl.k1_rows) * (p.N + p.P) * sizeof(float);
   return pl;
+}
+
+// Whether pair loads of t are valid at every even index of its last dim: unit last stride,
+// even other strides, base aligned to a pair (else the planes kernels load the two elements
+// one by one: same values, so the results do not depend on the layout).
+inline bool pair_layout(const TensorView& t) {
+  const uintptr_t pair_bytes = t.dtype == DType::F32 ? 8 : 4;
+  if (t.ndim == 0 || t.strides[t.ndim - 1] != 1 ||
+      reinterpret_cast<uintptr_t>(t.data) % pair_bytes != 0)
+    return false;
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.strides[d] % 2 != 0) return false;
+  return true;
+}
+
+inline int ilog2(int64_t x) {  // floor(log2(x)), x >= 1
+  int l = 0;
+  while ((int64_t{2} << l) <= x) ++l;
+  return l;
 }
 
 inline View view_of(const TensorView& t) {
@@ -977,6 +1016,13 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.planes = pl.planes ? 1 : 0;
   a.prefetch = prefetch_allowed_by_env() ? 1 : 0;
   a.ply = pl.ply;
+  a.lgN = ilog2(p.N), a.lgP = ilog2(p.P), a.lgR = ilog2(p.R), a.lgC = ilog2(p.C);
+  a.lgT = a.lgC + a.lgR;
+  // (From Args rather than derived in the kernel: a kernel parameter is an operand from the
+  // constant bank, a derived value takes a register across the planes K3's phases.)
+  a.lgtN = std::max(a.lgN - 4, 0), a.lgtP = std::max(a.lgP - 4, 0), a.lgtT = std::max(a.lgT - 4, 0);
+  a.vec_q = pair_layout(p.q), a.vec_k = pair_layout(p.k), a.vec_v = pair_layout(p.v);
+  a.vec_dout = pair_layout(p.dout), a.vec_states = pair_layout(p.states);
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
   a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st, a.o_m = pl.o_m;

@@ -66,12 +66,15 @@ void launch(int64_t grid, int nthreads, F body) {
 // Which K3 the plan must take: chunk_body over the scratch slots, or the planes kernel.
 enum class K3 { Slots, Planes };
 
-// Runs the four kernels exactly as src/cuda/mimo_bwd_bwd.cu launches them.
-void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3) {
+// Runs the four kernels exactly as src/cuda/mimo_bwd_bwd.cu launches them. scalar_loads: the
+// planes kernels' pair loads replaced by their two-load fallback (what other layouts take).
+void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
+             bool scalar_loads = false) {
   const bb::Plan pl = bb::make_plan(p, max_slots, k3 == K3::Planes);
   ASSERT_EQ(pl.planes, k3 == K3::Planes) << "the plan does not take the requested K3";
   std::vector<float> ws(pl.bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
-  const bb::Args a = bb::make_args(p, pl, ws.data());
+  bb::Args a = bb::make_args(p, pl, ws.data());
+  if (scalar_loads) a.vec_q = a.vec_k = a.vec_v = a.vec_dout = a.vec_states = 0;
   ASSERT_LE(reinterpret_cast<uintptr_t>(a.ws_slot + pl.nslots * pl.slot_floats),
             reinterpret_cast<uintptr_t>(ws.data()) + pl.bytes);
   if (pl.grid1 > 0 && pl.planes) {
@@ -220,7 +223,9 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   }
   std::vector<Buffer> got = outputs(), again = outputs();
   emulate(call_params(got), max_slots, k3);
-  emulate(call_params(again), max_slots, k3);
+  // The second run with the planes kernels' scalar-load fallback: the same bits expected (pair
+  // loads or not, the same values enter the same arithmetic), and run-to-run determinism.
+  emulate(call_params(again), max_slots, k3, /*scalar_loads=*/true);
   if (testing::Test::HasFatalFailure()) return;
   // Against the CPU backend (same fp32 algebra: tight; the planes kernel's products round their
   // operands to hi + lo bf16 pairs, ~2^-17 each: fp32 outputs to 1e-4 as the first pass's lean
@@ -230,7 +235,8 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
                                             : 1e-2;
   for (size_t k = 0; k < got.size(); ++k) {
     if (got[k].shape.empty()) continue;
-    EXPECT_TRUE(got[k].bytes == again[k].bytes) << kNames[k] << ": two runs differ";
+    EXPECT_TRUE(got[k].bytes == again[k].bytes)
+        << kNames[k] << ": two runs differ (the second with scalar loads)";
     const std::vector<double> g = got[k].to_double(), r = ref[k].to_double();
     double num = 0, den = 0, maxd = 0, maxr = 0;
     size_t bad = 0;
@@ -331,15 +337,16 @@ TEST(MimoBwdBwdEmulated, LargestChunkRows) {
 
 // K3 on the planes kernel (bf16 hi/lo operand planes, mma products, 512 threads): chunks of
 // T = C R = 16, 32 and 64 rows, partial last chunks, the three dout layouts, with and without D,
-// GQA (G < H), fp16 and bf16 activations, padded inputs, 16-bit outputs, an fp32 dout.
+// GQA (G < H), bf16 activations (the planes kernels' only ones), padded inputs (odd strides:
+// the scalar-load fallback), 16-bit outputs, an fp32 dout.
 TEST(MimoBwdBwdEmulated, PlanesKernelMatchesTheCpuBackend) {
   const IoType F = IoType::F32, H16 = IoType::F16, BF = IoType::BF16;
   uint64_t seed = 101;
   // B  S   H  G  N   P   R  C  rdd layout     D      pad act out
   for (const Shape& s : {Shape{1, 21, 2, 1, 32, 16, 2, 8, 4, kReduceO, true, 0, BF, F},    // T 16
-                         Shape{1, 40, 2, 2, 16, 32, 4, 8, 2, kPerRank, false, 1, H16, BF},  // T 32
+                         Shape{1, 40, 2, 2, 16, 32, 4, 8, 2, kPerRank, false, 1, BF, BF},  // T 32
                          Shape{2, 23, 2, 1, 32, 32, 4, 16, 4, kPacked, true, 0, BF, F},    // T 64
-                         Shape{1, 19, 1, 1, 16, 16, 1, 64, 2, kReduceO, true, 0, H16, F},  // R 1
+                         Shape{1, 19, 1, 1, 16, 16, 1, 64, 2, kReduceO, true, 0, BF, F},  // R 1
                          Shape{1, 13, 2, 2, 64, 16, 8, 8, 4, kReduceO, false, 2, BF, H16},  // R 8
                          Shape{1, 18, 2, 1, 32, 16, 2, 8, 2, kPerRank, true, 0, BF, F, true}})
     check_case(s, seed++, bb::kMaxSlots, K3::Planes);
@@ -368,8 +375,9 @@ TEST(MimoBwdBwdEmulated, PlanesKernelGridStride) {
              44, 3, K3::Planes);
 }
 
-// The plan takes the planes kernel for SPEC.md's grid at 16-bit q, k, v (its planes fit the
-// shared memory), and not for fp32 activations or rows it cannot tile.
+// The plan takes the planes kernel for SPEC.md's grid at bf16 q, k, v (its planes fit the
+// shared memory), and not for fp16 or fp32 activations, non-power-of-two dims or rows it cannot
+// tile.
 TEST(MimoBwdBwdEmulated, PlanPicksPlanesKernel) {
   if (!bb::planes_allowed_by_env())
     GTEST_SKIP() << "MAMBA3_BB_PLANES=0: the plan never takes the planes kernels";
@@ -393,9 +401,13 @@ TEST(MimoBwdBwdEmulated, PlanPicksPlanesKernel) {
     EXPECT_LE(pl.ply.bytes, bb::kPlanesSmemMax);
     EXPECT_EQ(pl.nslots, 0);
     EXPECT_FALSE(plan(DType::F32, g[0], g[1], g[2], g[3]).planes);
+    EXPECT_FALSE(plan(DType::F16, g[0], g[1], g[2], g[3]).planes);
   }
   EXPECT_FALSE(plan(DType::BF16, 128, 64, 8, 16).planes);  // 128 rows per chunk
   EXPECT_FALSE(plan(DType::BF16, 64, 64, 1, 8).planes);    // 8 rows per chunk
+  EXPECT_FALSE(plan(DType::BF16, 48, 64, 2, 8).planes);    // N not a power of two
+  EXPECT_FALSE(plan(DType::BF16, 64, 48, 2, 8).planes);    // P not a power of two
+  EXPECT_TRUE(plan(DType::BF16, 64, 64, 2, 8).planes);     // (the same with powers of two)
 }
 
 // The plan's choice of tensor-core products (3xTF32): 16-bit q, k and v (dout of any dtype:
