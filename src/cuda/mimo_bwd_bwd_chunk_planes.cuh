@@ -215,6 +215,32 @@ BB_DEV void pair_rows(int nrows, int lgP, Load load, Store store) {
   }
 }
 
+// (w[h][r][pc], w[h][r][pc + 1]) of an [H][R][P] weight (mimo_v, mimo_o).
+BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
+  const int64_t o = int64_t{h} * w.s[0] + r * w.s[1] + pc * w.s[2];
+  return make_float2(ld(w, o), ld(w, o + w.s[2]));
+}
+
+// The rank weights of a pair_rows<U, NT> loop over [T][P] rows (row = i R + r): a thread's rows
+// step by NT / (P / 2), so when that is a multiple of R they all have the thread's rank and its
+// weight pair is loaded once per loop, not once per row (K1 at P 128, R 8 is the exception;
+// K3 always is: make_plan keeps 2 kPlanesThreads / P >= kMaxR).
+struct RankWeights {
+  bool fixed;  // every row of this thread has rank r_thread
+  float2 w;    // its pair (fixed only)
+  BB_DEV float2 at(const View& wv, int h, int r, int pc) const {
+    return fixed ? w : rank_weights(wv, h, r, pc);
+  }
+};
+template <int NT>
+BB_DEV RankWeights thread_rank_weights(const View& w, int h, int R, int lgP, bool present) {
+  const int lgH = lgP - 1, tid = bb_tid();
+  RankWeights rw{((NT >> lgH) & (R - 1)) == 0, make_float2(1.f, 1.f)};
+  if (rw.fixed && present)
+    rw.w = rank_weights(w, h, (tid >> lgH) & (R - 1), (tid & ((1 << lgH) - 1)) * 2);
+  return rw;
+}
+
 #if defined(__CUDA_ARCH__)
 BB_DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 #else
@@ -349,7 +375,7 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
   float* s_E = reinterpret_cast<float*>(smem + Ly.inc_E);
   for (int i = tid; i < L; i += NT) s_E[i] = expf(ld(a.da_cs, o3(a.da_cs, b, h, s0 + i)));
   const DoutRows dr = dout_rows(a, b, h);
-  const int64_t mo0 = int64_t{h} * a.mimo_o.s[0], mos = a.mimo_o.s[2];
+  const RankWeights wo = thread_rank_weights<NT>(a.mimo_o, h, R, lgP, a.layout == 0);
   with_dout_dtype(a.dout.dt, [&](auto dtag) {
     using TD = typename decltype(dtag)::type;
     pair_rows<4, NT>(
@@ -361,8 +387,8 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
             g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
                           a.vec_dout);
             if (a.layout == 0) {
-              const int64_t mo = mo0 + r * a.mimo_o.s[1] + pc * mos;
-              g.x *= ld(a.mimo_o, mo), g.y *= ld(a.mimo_o, mo + mos);
+              const float2 mo = wo.at(a.mimo_o, h, r, pc);
+              g.x *= mo.x, g.y *= mo.y;
             }
           }
           return g;
@@ -460,8 +486,10 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       using TD = typename decltype(dtag)::type;
       const DoutRows dr = dout_rows(a, b, h);
       const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
-      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0], mvs = a.mimo_v.s[2];
-      const int64_t mo0 = int64_t{h} * a.mimo_o.s[0], mos = a.mimo_o.s[2];
+      // Every row of this thread has its rank r_t (see RankWeights): one mimo_v / mimo_o pair.
+      const int r_t = (tid >> (lgP - 1)) & (R - 1), pc_t = (tid & ((1 << (lgP - 1)) - 1)) * 2;
+      const float2 mv = rank_weights(a.mimo_v, h, r_t, pc_t);
+      const float2 mo = a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
       pair_rows<4, NT>(
           T, lgP,
           [&](int row, int pc) {
@@ -469,14 +497,10 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
             if (row < TL) {
               const int i = row >> lgR, r = row & (R - 1);
               const float2 vv = ld2_t<bf16_t>(a.v, v0 + (s0 + i) * a.v.s[1] + pc * vs, vs, a.vec_v);
-              const int64_t mv = mv0 + r * a.mimo_v.s[1] + pc * mvs;
-              o.x = make_float2(vv.x * ld(a.mimo_v, mv), vv.y * ld(a.mimo_v, mv + mvs));
+              o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
               o.g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
                               a.vec_dout);
-              if (a.layout == 0) {
-                const int64_t mo = mo0 + r * a.mimo_o.s[1] + pc * mos;
-                o.g.x *= ld(a.mimo_o, mo), o.g.y *= ld(a.mimo_o, mo + mos);
-              }
+              if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
             }
             return o;
           },

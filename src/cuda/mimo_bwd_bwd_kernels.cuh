@@ -931,7 +931,8 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
   //  - N, P, R, C powers of two (all of SPEC.md's grid: N 16..256, P 32..128, R 1..8,
   //    C 8..64): its element loops index with shifts (Args::lgN ...); other shapes keep
   //    increment_body / chunk_body;
-  //  - P <= 2 kIncPlanesThreads: the [rows][P] loops give each thread a fixed column pair.
+  //  - P <= 2 kPlanesThreads / kMaxR (128, SPEC.md's largest): the [rows][P] loops give each
+  //    thread a fixed column pair, and in K3 a fixed rank (its rows step by a multiple of R).
   pl.ply = planes_layout(p.N, p.P, p.R, p.C);
   const int64_t tiles_max = int64_t{kPlanesWarps} * kPlanesTilesPerWarp * 256;
   auto pow2 = [](int64_t x) { return x > 0 && (x & (x - 1)) == 0; };
@@ -939,7 +940,7 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
                        p.v.dtype == DType::BF16 &&
                        (p.dout.dtype == DType::BF16 || p.dout.dtype == DType::F32);
   pl.planes = allow_planes && planes_allowed_by_env() && pl.tc && bf16_io && pow2(p.N) &&
-              pow2(p.P) && pow2(p.R) && pow2(p.C) && p.P <= 2 * kIncPlanesThreads && Tm <= 64 &&
+              pow2(p.P) && pow2(p.R) && pow2(p.C) && p.P <= 2 * kPlanesThreads / kMaxR && Tm <= 64 &&
               Tm * p.N <= tiles_max && Tm * p.P <= tiles_max && pl.ply.bytes <= kPlanesSmemMax;
   pl.nslots = pl.planes ? 0 : std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
   // + kAlign: the caller's pointer is rounded up to kAlign bytes.
