@@ -109,6 +109,35 @@ BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
   }
 }
 
+BB_DEV unsigned short bits_of(float x, DTag<__nv_bfloat16>) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+BB_DEV unsigned short bits_of(float x, DTag<__half>) { return __half_as_ushort(__float2half_rn(x)); }
+
+// Stores x.x, x.y (rounded to nearest as rt_st) as elements off and off + st of a tensor of
+// dtype T: one store of the pair when vec (as ld2_t), else two.
+template <class T>
+BB_DEV void st2_t(const View& v, int64_t off, int64_t st, bool vec, float2 x) {
+  if constexpr (sizeof(T) == 4) {
+    float* p = reinterpret_cast<float*>(v.p) + off;
+    if (vec) {
+      *reinterpret_cast<float2*>(p) = x;
+    } else {
+      p[0] = x.x;
+      p[st] = x.y;
+    }
+  } else {
+    unsigned short* p = reinterpret_cast<unsigned short*>(v.p) + off;
+    const unsigned short u0 = bits_of(x.x, DTag<T>{}), u1 = bits_of(x.y, DTag<T>{});
+    if (vec) {
+      *reinterpret_cast<unsigned int*>(p) = u0 | (static_cast<unsigned int>(u1) << 16);
+    } else {
+      p[0] = u0;
+      p[st] = u1;
+    }
+  }
+}
+
 using bf16_t = __nv_bfloat16;
 
 // dPhiO row (t, r) of dout starts at base + t st + r sr, stride sp along p (dphio_row and
@@ -213,6 +242,32 @@ BB_DEV void pair_rows(int nrows, int lgP, Load load, Store store) {
     for (int u = 0; u < U; ++u)
       if (r0 + u * rs < nrows) store(r0 + u * rs, pc, v[u]);
   }
+}
+
+// (w[h][r][pc], w[h][r][pc + 1]) of an [H][R][P] weight (mimo_v, mimo_o).
+BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
+  const int64_t o = int64_t{h} * w.s[0] + r * w.s[1] + pc * w.s[2];
+  return make_float2(ld(w, o), ld(w, o + w.s[2]));
+}
+
+// The rank weights of a pair_rows<U, NT> loop over [T][P] rows (row = i R + r): a thread's rows
+// step by NT / (P / 2), so when that is a multiple of R they all have the thread's rank and its
+// weight pair is loaded once per loop, not once per row (K1 at P 128, R 8 is the exception;
+// K3 always is: make_plan keeps 2 kPlanesThreads / P >= kMaxR).
+struct RankWeights {
+  bool fixed;  // every row of this thread has rank r_thread
+  float2 w;    // its pair (fixed only)
+  BB_DEV float2 at(const View& wv, int h, int r, int pc) const {
+    return fixed ? w : rank_weights(wv, h, r, pc);
+  }
+};
+template <int NT>
+BB_DEV RankWeights thread_rank_weights(const View& w, int h, int R, int lgP, bool present) {
+  const int lgH = lgP - 1, tid = bb_tid();
+  RankWeights rw{((NT >> lgH) & (R - 1)) == 0, make_float2(1.f, 1.f)};
+  if (rw.fixed && present)
+    rw.w = rank_weights(w, h, (tid >> lgH) & (R - 1), (tid & ((1 << lgH) - 1)) * 2);
+  return rw;
 }
 
 #if defined(__CUDA_ARCH__)
@@ -344,12 +399,12 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
   const int N = a.N, P = a.P, R = a.R, C = a.C, T = C * R, lgR = a.lgR, lgP = a.lgP;
   const int s0 = c * C, L = bb_min(C, a.S - s0), TL = L * R;
   const int ldN = Ly.ldN, ldP = Ly.ldP;
-  const mimo::SplitTile EQ{reinterpret_cast<__nv_bfloat16*>(smem), T * ldN, ldN};
-  const mimo::SplitTile Gp{reinterpret_cast<__nv_bfloat16*>(smem + Ly.inc_g), T * ldP, ldP};
+  const mimo::SplitTile EQ{reinterpret_cast<__nv_bfloat16*>(smem), Ly.plT_N, ldN};
+  const mimo::SplitTile Gp{reinterpret_cast<__nv_bfloat16*>(smem + Ly.inc_g), Ly.plT_P, ldP};
   float* s_E = reinterpret_cast<float*>(smem + Ly.inc_E);
   for (int i = tid; i < L; i += NT) s_E[i] = expf(ld(a.da_cs, o3(a.da_cs, b, h, s0 + i)));
   const DoutRows dr = dout_rows(a, b, h);
-  const int64_t mo0 = int64_t{h} * a.mimo_o.s[0], mos = a.mimo_o.s[2];
+  const RankWeights wo = thread_rank_weights<NT>(a.mimo_o, h, R, lgP, a.layout == 0);
   with_dout_dtype(a.dout.dt, [&](auto dtag) {
     using TD = typename decltype(dtag)::type;
     pair_rows<4, NT>(
@@ -361,8 +416,8 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
             g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
                           a.vec_dout);
             if (a.layout == 0) {
-              const int64_t mo = mo0 + r * a.mimo_o.s[1] + pc * mos;
-              g.x *= ld(a.mimo_o, mo), g.y *= ld(a.mimo_o, mo + mos);
+              const float2 mo = wo.at(a.mimo_o, h, r, pc);
+              g.x *= mo.x, g.y *= mo.y;
             }
           }
           return g;
@@ -403,9 +458,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
   const int lgnN = a.lgtN, lgnP = a.lgtP, lgnT = a.lgtT;
   auto bfp = [&](int off) { return reinterpret_cast<__nv_bfloat16*>(smem + off); };
   auto flp = [&](int off) { return reinterpret_cast<float*>(smem + off); };
-  const SplitTile Qh{bfp(Ly.qh), T * ldN, ldN}, Kh{bfp(Ly.kh), T * ldN, ldN};
-  const SplitTile X{bfp(Ly.x), T * ldP, ldP}, Gp{bfp(Ly.g), T * ldP, ldP};
-  const SplitTile Sp{bfp(Ly.st), N * ldP, ldP}, Mc{bfp(Ly.mc), T * ldT, ldT};
+  const SplitTile Qh{bfp(Ly.qh), Ly.plT_N, ldN}, Kh{bfp(Ly.kh), Ly.plT_N, ldN};
+  const SplitTile X{bfp(Ly.x), Ly.plT_P, ldP}, Gp{bfp(Ly.g), Ly.plT_P, ldP};
+  const SplitTile Sp{bfp(Ly.st), Ly.plN_P, ldP}, Mc{bfp(Ly.mc), Ly.plT_T, ldT};
   float* KQ = flp(Ly.kq);  // [T][T] kh_a . qh_b
   float* XG = flp(Ly.xg);  // [T][T] x_a . dPhiO_b
   float* dqh = flp(Ly.qh);  // phase 3: [T][N]
@@ -460,8 +515,10 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       using TD = typename decltype(dtag)::type;
       const DoutRows dr = dout_rows(a, b, h);
       const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
-      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0], mvs = a.mimo_v.s[2];
-      const int64_t mo0 = int64_t{h} * a.mimo_o.s[0], mos = a.mimo_o.s[2];
+      // Every row of this thread has its rank r_t (see RankWeights): one mimo_v / mimo_o pair.
+      const int r_t = (tid >> (lgP - 1)) & (R - 1), pc_t = (tid & ((1 << (lgP - 1)) - 1)) * 2;
+      const float2 mv = rank_weights(a.mimo_v, h, r_t, pc_t);
+      const float2 mo = a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
       pair_rows<4, NT>(
           T, lgP,
           [&](int row, int pc) {
@@ -469,14 +526,10 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
             if (row < TL) {
               const int i = row >> lgR, r = row & (R - 1);
               const float2 vv = ld2_t<bf16_t>(a.v, v0 + (s0 + i) * a.v.s[1] + pc * vs, vs, a.vec_v);
-              const int64_t mv = mv0 + r * a.mimo_v.s[1] + pc * mvs;
-              o.x = make_float2(vv.x * ld(a.mimo_v, mv), vv.y * ld(a.mimo_v, mv + mvs));
+              o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
               o.g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
                               a.vec_dout);
-              if (a.layout == 0) {
-                const int64_t mo = mo0 + r * a.mimo_o.s[1] + pc * mos;
-                o.g.x *= ld(a.mimo_o, mo), o.g.y *= ld(a.mimo_o, mo + mos);
-              }
+              if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
             }
             return o;
           },
@@ -675,6 +728,16 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
 
     // ---- phase 3
+    // q_bias, k_bias [R][N] as fp32 over the dead state planes (2 R N floats fit their
+    // 4 N (P + 8) bytes: P >= 16, R <= 8): read R times per element below, from shared memory
+    // instead of through ld()'s dtype switch and 64-bit offsets.
+    float* s_qbias = flp(Ly.st);
+    float* s_kbias = s_qbias + (R << lgN);
+    for (int e = tid; e < (R << lgN); e += NT) {
+      const int r = e >> lgN, n = e & (N - 1);
+      s_qbias[e] = ld(a.q_bias, o3(a.q_bias, h, r, n));
+      s_kbias[e] = ld(a.k_bias, o3(a.k_bias, h, r, n));
+    }
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
       const int tile = warp + u * kPlanesWarps;
@@ -693,20 +756,17 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const int lgH = lgN - 1;
     const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
     const int64_t k0 = int64_t{b} * a.k.s[0] + int64_t{grp} * a.k.s[3];
-    const int64_t qbias0 = int64_t{h} * a.q_bias.s[0], kbias0 = int64_t{h} * a.k_bias.s[0];
     // Biased q / k element (row = i R + r of this chunk, column n), exact fp32.
     auto qb_at = [&](int i, int r, int n) {
       return ld_t<bf16_t>(a.q, q0 + (s0 + i) * a.q.s[1] + r * a.q.s[2] + n * a.q.s[4]) +
-             ld(a.q_bias, qbias0 + r * a.q_bias.s[1] + n * a.q_bias.s[2]);
+             s_qbias[(r << lgN) + n];
     };
     auto kb_at = [&](int i, int r, int n) {
       return ld_t<bf16_t>(a.k, k0 + (s0 + i) * a.k.s[1] + r * a.k.s[2] + n * a.k.s[4]) +
-             ld(a.k_bias, kbias0 + r * a.k_bias.s[1] + n * a.k_bias.s[2]);
+             s_kbias[(r << lgN) + n];
     };
     const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
     const int64_t dang0 = int64_t{b} * a.dangles.s[0] + int64_t{h} * a.dangles.s[2];
-    const int64_t dq0 = int64_t{b} * a.dq.s[0] + int64_t{h} * a.dq.s[2];
-    const int64_t dk0 = int64_t{b} * a.dk.s[0] + int64_t{h} * a.dk.s[2];
     for (int e = tid; e < (L << lgH); e += NT) {
       const int i = e >> lgH, n = e & (half - 1);
       const float ts = s_ts[i], gam = s_gam[i];
@@ -752,12 +812,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
               ok0 += xk * qb1[r1], ok1 += xk * qb2[r1];
             }
           }
-          const int64_t orow = static_cast<int64_t>(s0 + i) * R + r;
-          const int64_t oq = dq0 + orow * a.dq.s[1], ok = dk0 + orow * a.dk.s[1];
-          st(a.dq, oq + n * a.dq.s[3], oq0);
-          st(a.dq, oq + (half + n) * a.dq.s[3], oq1);
-          st(a.dk, ok + n * a.dk.s[3], ok0);
-          st(a.dk, ok + (half + n) * a.dk.s[3], ok1);
+          // In place (this task alone reads and writes these elements); stored to dq, dk below.
+          dqh[base + n] = oq0, dqh[base + half + n] = oq1;
+          dkh[base + n] = ok0, dkh[base + half + n] = ok1;
         }
       }
       if (rot) st(a.dangles, dang0 + (s0 + i) * a.dangles.s[1] + n * a.dangles.s[3], dang);
@@ -783,6 +840,25 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         acc += dx[(((i << lgR) + r) << lgP) + p] * ld_t<bf16_t>(a.v, vp + i * a.v.s[1]);
       a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }
+    bb_sync();  // DQ, DK complete in dqh, dkh
+    // Their valid rows (row = i R + r: output row (s0 + i) R + r = s0 R + row) to dq, dk with
+    // typed pair stores (the output dtype dispatched once per loop, not per element as st()).
+    auto store_rows = [&](const View& out, const float* src, bool vec) {
+      with_dtype(out.dt, [&](auto otag) {
+        using TO = typename decltype(otag)::type;
+        const int64_t o0 = int64_t{b} * out.s[0] + int64_t{h} * out.s[2], sn = out.s[3];
+        pair_rows<4, NT>(
+            TL, lgN,
+            [&](int row, int nc) {
+              return *reinterpret_cast<const float2*>(src + (row << lgN) + nc);
+            },
+            [&](int row, int nc, float2 v) {
+              st2_t<TO>(out, o0 + (int64_t{s0} * R + row) * out.s[1] + nc * sn, sn, vec, v);
+            });
+      });
+    };
+    store_rows(a.dq, dqh, a.vec_dq);
+    store_rows(a.dk, dkh, a.vec_dk);
     bb_sync();  // shared memory is rewritten for the next chunk
   }
 }

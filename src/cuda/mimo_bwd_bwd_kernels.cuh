@@ -95,6 +95,9 @@ constexpr int64_t kPlanesSmemMax = 227 * 1024;  // the H100 / H200 per-block opt
 
 struct PlanesLayout {
   int ldN = 0, ldP = 0, ldT = 0;  // row strides (elements) of the [.][N], [.][P], [.][T] planes
+  // Elements per plane (hi to lo) of [T][ldN], [T][ldP], [N][ldP], [T][ldT]: kernel parameters
+  // rather than products formed in the kernel, which kept them in registers (K3 spilled).
+  int plT_N = 0, plT_P = 0, plN_P = 0, plT_T = 0;
   // bf16 hi/lo planes (hi plane, then lo): qh, kh [T][ldN]; x, g (dPhiO) [T][ldP]; st [N][ldP]
   // (states[c], then dS_c); mc [T][ldT] (the coefficient matrix of the current product).
   // Reused in phase 3 as fp32: dqh in qh, dkh in kh [T][N], dx in x [T][P].
@@ -115,6 +118,8 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C) {
   const int64_t T = C * R;
   L.ldN = static_cast<int>(N + 8), L.ldP = static_cast<int>(P + 8);  // + 8: conflict-free ldmatrix
   L.ldT = static_cast<int>(T + 8);
+  L.plT_N = static_cast<int>(T * L.ldN), L.plT_P = static_cast<int>(T * L.ldP);
+  L.plN_P = static_cast<int>(N * L.ldP), L.plT_T = static_cast<int>(T * L.ldT);
   int64_t o = 0;
   auto take = [&o](int64_t bytes) {
     const int64_t at = o;
@@ -182,8 +187,9 @@ struct Args {
   int lgN, lgP, lgR, lgC, lgT;  // T = C R
   int lgtN, lgtP, lgtT;          // log2 of the 16-wide tile counts along N, P, T
   // Planes path: q, k, v, dout, states take pair loads (two consecutive elements of the last dim
-  // in one load; see pair_layout), else two scalar loads of the same elements (same values).
-  int vec_q, vec_k, vec_v, vec_dout, vec_states;
+  // in one load; see pair_layout), else two scalar loads of the same elements (same values);
+  // dq, dk pair stores likewise.
+  int vec_q, vec_k, vec_v, vec_dout, vec_states, vec_dq, vec_dk;
 };
 
 // K3's shared memory (per CTA).
@@ -931,7 +937,8 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
   //  - N, P, R, C powers of two (all of SPEC.md's grid: N 16..256, P 32..128, R 1..8,
   //    C 8..64): its element loops index with shifts (Args::lgN ...); other shapes keep
   //    increment_body / chunk_body;
-  //  - P <= 2 kIncPlanesThreads: the [rows][P] loops give each thread a fixed column pair.
+  //  - P <= 2 kPlanesThreads / kMaxR (128, SPEC.md's largest): the [rows][P] loops give each
+  //    thread a fixed column pair, and in K3 a fixed rank (its rows step by a multiple of R).
   pl.ply = planes_layout(p.N, p.P, p.R, p.C);
   const int64_t tiles_max = int64_t{kPlanesWarps} * kPlanesTilesPerWarp * 256;
   auto pow2 = [](int64_t x) { return x > 0 && (x & (x - 1)) == 0; };
@@ -939,7 +946,7 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
                        p.v.dtype == DType::BF16 &&
                        (p.dout.dtype == DType::BF16 || p.dout.dtype == DType::F32);
   pl.planes = allow_planes && planes_allowed_by_env() && pl.tc && bf16_io && pow2(p.N) &&
-              pow2(p.P) && pow2(p.R) && pow2(p.C) && p.P <= 2 * kIncPlanesThreads && Tm <= 64 &&
+              pow2(p.P) && pow2(p.R) && pow2(p.C) && p.P <= 2 * kPlanesThreads / kMaxR && Tm <= 64 &&
               Tm * p.N <= tiles_max && Tm * p.P <= tiles_max && pl.ply.bytes <= kPlanesSmemMax;
   pl.nslots = pl.planes ? 0 : std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
   // + kAlign: the caller's pointer is rounded up to kAlign bytes.
@@ -1023,6 +1030,7 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.lgtN = std::max(a.lgN - 4, 0), a.lgtP = std::max(a.lgP - 4, 0), a.lgtT = std::max(a.lgT - 4, 0);
   a.vec_q = pair_layout(p.q), a.vec_k = pair_layout(p.k), a.vec_v = pair_layout(p.v);
   a.vec_dout = pair_layout(p.dout), a.vec_states = pair_layout(p.states);
+  a.vec_dq = pair_layout(p.dq), a.vec_dk = pair_layout(p.dk);
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
   a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st, a.o_m = pl.o_m;
