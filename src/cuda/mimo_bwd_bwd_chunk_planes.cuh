@@ -112,7 +112,9 @@ BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
 BB_DEV unsigned short bits_of(float x, DTag<__nv_bfloat16>) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
-BB_DEV unsigned short bits_of(float x, DTag<__half>) { return __half_as_ushort(__float2half_rn(x)); }
+BB_DEV unsigned short bits_of(float x, DTag<__half>) {
+  return __half_as_ushort(__float2half_rn(x));
+}
 
 // Stores x.x, x.y (rounded to nearest as rt_st) as elements off and off + st of a tensor of
 // dtype T: one store of the pair when vec (as ld2_t), else two.
@@ -361,9 +363,11 @@ BB_DEV void rotated_pair_rows(const Args& a, const View& x, const View& bias, bo
         const int r = r0 + u;
         if (r < R && i < L) {
           const int64_t o = xrow + r * x.s[2], ob = b0 + r * bias.s[1] + n * sb;
-          const float2 lo = ld2_t<bf16_t>(x, o, sx, vec), hi = ld2_t<bf16_t>(x, o + half * sx, sx, vec);
+          const float2 lo = ld2_t<bf16_t>(x, o, sx, vec);
+          const float2 hi = ld2_t<bf16_t>(x, o + half * sx, sx, vec);
           x1[u] = make_float2(lo.x + ld(bias, ob), lo.y + ld(bias, ob + sb));
-          x2[u] = make_float2(hi.x + ld(bias, ob + half * sb), hi.y + ld(bias, ob + (half + 1) * sb));
+          x2[u] = make_float2(hi.x + ld(bias, ob + half * sb),
+                              hi.y + ld(bias, ob + (half + 1) * sb));
         }
       }
       BB_UNROLL
@@ -373,7 +377,8 @@ BB_DEV void rotated_pair_rows(const Args& a, const View& x, const View& bias, bo
           const int row = (i << lgR) + r;
           float2 y1 = x1[u], y2 = x2[u];
           if (n < A) y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
-          if (n + 1 < A) y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
+          if (n + 1 < A)
+            y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
           if (scaled) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
           st_split_pair(out, row * out.ld + n, y1);
           st_split_pair(out, row * out.ld + half + n, y2);
@@ -518,7 +523,8 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       // Every row of this thread has its rank r_t (see RankWeights): one mimo_v / mimo_o pair.
       const int r_t = (tid >> (lgP - 1)) & (R - 1), pc_t = (tid & ((1 << (lgP - 1)) - 1)) * 2;
       const float2 mv = rank_weights(a.mimo_v, h, r_t, pc_t);
-      const float2 mo = a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
+      const float2 mo =
+          a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
       pair_rows<4, NT>(
           T, lgP,
           [&](int row, int pc) {
@@ -545,7 +551,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
       pair_rows<4, NT>(
           N, lgP,
-          [&](int n, int pc) { return ld2_t<TS>(a.states, sb + n * ss3 + pc * ss4, ss4, a.vec_states); },
+          [&](int n, int pc) {
+            return ld2_t<TS>(a.states, sb + n * ss3 + pc * ss4, ss4, a.vec_states);
+          },
           [&](int n, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
     });
     if (a.has_d) {  // uniform over the block; its barriers also end the loads above
@@ -772,7 +780,8 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const float ts = s_ts[i], gam = s_gam[i];
       const bool rot = n < A;
       float sn = 0.f, cs = 1.f;
-      if (rot) bb_sincos(ld(a.angles, ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3]), &sn, &cs);
+      if (rot)
+        bb_sincos(ld(a.angles, ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3]), &sn, &cs);
       float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];  // biased, unrotated
       BB_UNROLL
       for (int r = 0; r < kMaxR; ++r) {

@@ -946,8 +946,9 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
                        p.v.dtype == DType::BF16 &&
                        (p.dout.dtype == DType::BF16 || p.dout.dtype == DType::F32);
   pl.planes = allow_planes && planes_allowed_by_env() && pl.tc && bf16_io && pow2(p.N) &&
-              pow2(p.P) && pow2(p.R) && pow2(p.C) && p.P <= 2 * kPlanesThreads / kMaxR && Tm <= 64 &&
-              Tm * p.N <= tiles_max && Tm * p.P <= tiles_max && pl.ply.bytes <= kPlanesSmemMax;
+              pow2(p.P) && pow2(p.R) && pow2(p.C) && p.P <= 2 * kPlanesThreads / kMaxR &&
+              Tm <= 64 && Tm * p.N <= tiles_max && Tm * p.P <= tiles_max &&
+              pl.ply.bytes <= kPlanesSmemMax;
   pl.nslots = pl.planes ? 0 : std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
   // + kAlign: the caller's pointer is rounded up to kAlign bytes.
   pl.bytes = static_cast<size_t>(pl.n_ds + pl.n_part + pl.n_dd + pl.nslots * pl.slot_floats) *

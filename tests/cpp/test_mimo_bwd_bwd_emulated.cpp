@@ -75,7 +75,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
   ASSERT_EQ(pl.planes, k3 == K3::Planes) << "the plan does not take the requested K3";
   std::vector<float> ws(pl.bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
   bb::Args a = bb::make_args(p, pl, ws.data());
-  if (scalar_loads) a.vec_q = a.vec_k = a.vec_v = a.vec_dout = a.vec_states = a.vec_dq = a.vec_dk = 0;
+  if (scalar_loads)
+    a.vec_q = a.vec_k = a.vec_v = a.vec_dout = a.vec_states = a.vec_dq = a.vec_dk = 0;
   ASSERT_LE(reinterpret_cast<uintptr_t>(a.ws_slot + pl.nslots * pl.slot_floats),
             reinterpret_cast<uintptr_t>(ws.data()) + pl.bytes);
   if (pl.grid1 > 0 && pl.planes) {
