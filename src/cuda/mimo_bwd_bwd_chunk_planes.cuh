@@ -473,7 +473,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
   float* dx = flp(Ly.x);    // from the dx products on: [T][P]
   float *s_dacs = flp(Ly.dacs), *s_dt = flp(Ly.dt), *s_lam = flp(Ly.lam), *s_E = flp(Ly.E),
         *s_F = flp(Ly.F), *s_ts = flp(Ly.ts), *s_gam = flp(Ly.gam), *s_qk = flp(Ly.qk),
-        *red = flp(Ly.red);
+        *red = flp(Ly.red), *s_W = flp(Ly.W);
   // [T][nN][3]: per row and 16-column tile, qh . SG (DDA_CS), kh . SX (DDA_CS_REV),
   // kh . dkh (DFACTOR).
   float* part = flp(Ly.part);
@@ -492,18 +492,26 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     // The 64-bit base offsets below are formed in the loop (or block) that uses them, not here:
     // kept live across phase 2 they cost spills at its 128 registers.
     // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
-    auto Wf = [&](int i, int j) {
-      return expf(partial ? s_dacs[i] - s_dacs[j]
-                          : ld(a.segsum, o3(a.segsum, b, h, c) + i * a.segsum.s[3] +
-                                             j * a.segsum.s[4]));
-    };
+    auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
 
     // ---- phase 0: per-step inputs, planes
     for (int i = tid; i < Lx; i += NT) {
       const int t = s0 + i;
       if (i < L) s_dacs[i] = ld(a.da_cs, o3(a.da_cs, b, h, t));
+      if (i < L && !partial) s_F[i] = ld(a.da_cs_rev, o3(a.da_cs_rev, b, h, t));  // raw here
       s_dt[i] = ld(a.dt, o3(a.dt, b, h, t));
       s_lam[i] = sigmoid_f(ld(a.trap, o3(a.trap, b, h, t)));
+    }
+    // The chunk's raw segsum [C][C] now, with the planes' loads (why: read per coefficient in
+    // the three builds of phase 2, each was an exposed global load); exponentiated below.
+    {
+      const int64_t w0 = o3(a.segsum, b, h, c);
+      for (int e = tid; e < (C << lgC); e += NT) {
+        const int i = e >> lgC, j = e & (C - 1);
+        s_W[e] = !partial && j < i && i < L
+                     ? ld(a.segsum, w0 + i * a.segsum.s[3] + j * a.segsum.s[4])
+                     : 0.f;
+      }
     }
     {
       const int64_t qk0 = o3(a.qk_dot, b, h, s0);
@@ -570,9 +578,15 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         gam = s_dt[i] * s_lam[i];
         ts = gam + (i + 1 < Lx ? s_dt[i + 1] * (1.f - s_lam[i + 1]) : 0.f);
         E = expf(s_dacs[i]);
-        F = expf(partial ? da_last - s_dacs[i] : ld(a.da_cs_rev, o3(a.da_cs_rev, b, h, s0 + i)));
+        F = expf(partial ? da_last - s_dacs[i] : s_F[i]);
       }
       s_gam[i] = gam, s_ts[i] = ts, s_E[i] = E, s_F[i] = F;
+    }
+    // W[i][j] = exp(segsum[c, i, j]) for j < i < L, else 0; a partial last chunk from da_cs
+    // alone (the tail contract). The same thread loaded entry e above.
+    for (int e = tid; e < (C << lgC); e += NT) {
+      const int i = e >> lgC, j = e & (C - 1);
+      s_W[e] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e]) : 0.f;
     }
 
     // ---- phase 1: KQ, XG (one 16 x 16 tile per warp and task)

@@ -105,7 +105,8 @@ struct PlanesLayout {
   int kq = 0, xg = 0;  // fp32 [T][T]
   // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
   // [kPlanesThreads] and three per-row partial sums [T][N / 16][3].
-  int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0;
+  int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0,
+      W = 0;  // + exp(segsum) [C][C] (fp32)
   int64_t bytes = 0;
   // K1 on planes (increment_planes_body, kIncPlanesThreads): E qh [T][ldN] and dPhiO [T][ldP]
   // planes, then E [C] (fp32).
@@ -145,6 +146,7 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C) {
   L.qk = take(4 * C * R * R);
   L.red = take(4 * kPlanesThreads);
   L.part = take(4 * 3 * T * (N / 16));
+  L.W = take(4 * C * C);
   L.bytes = o;
   o = 0;
   take(bf2 * T * L.ldN);
