@@ -92,6 +92,18 @@ struct SplitTile {
   int plane, ld;
 };
 
+// The hi and lo fragments of tile t at element offset off (TRANS: ldmatrix .trans).
+template <bool TRANS>
+MB_DEV void ldsm_split(uint32_t (&hi)[4], uint32_t (&lo)[4], const SplitTile& t, int off) {
+  if constexpr (TRANS) {
+    ldsm4t(hi, t.h + off);
+    ldsm4t(lo, t.h + t.plane + off);
+  } else {
+    ldsm4(hi, t.h + off);
+    ldsm4(lo, t.h + t.plane + off);
+  }
+}
+
 // acc[j] (16 x 8 C fragments at rows m0.., columns n0 + 8j, j < 2) += A B over k in [k0, k1)
 // (multiples of 16). A_KM: A is stored k-major ([k][m], read transposed); else [m][k].
 // B_KN: B is stored [k][n] (read transposed); else [n][k]. Each product is hi*hi + hi*lo +
@@ -106,20 +118,8 @@ MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const
     const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
                         : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
     uint32_t ah[4], al[4], bh[4], bl[4];
-    if constexpr (A_KM) {
-      ldsm4t(ah, A.h + ao);
-      ldsm4t(al, A.h + A.plane + ao);
-    } else {
-      ldsm4(ah, A.h + ao);
-      ldsm4(al, A.h + A.plane + ao);
-    }
-    if constexpr (B_KN) {
-      ldsm4t(bh, B.h + bo);
-      ldsm4t(bl, B.h + B.plane + bo);
-    } else {
-      ldsm4(bh, B.h + bo);
-      ldsm4(bl, B.h + B.plane + bo);
-    }
+    ldsm_split<A_KM>(ah, al, A, ao);
+    ldsm_split<B_KN>(bh, bl, B, bo);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
