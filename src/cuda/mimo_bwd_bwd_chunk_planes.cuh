@@ -213,6 +213,19 @@ BB_DEV void scale_rows(float (&acc)[2][4], int m0, int lgR, const float* f) {
   }
 }
 
+// The inter-chunk term of a fused dqh / dkh tile (rows m0.., columns n0..): acc = A Sp^T over
+// the P columns (SG = dPhiO St^T or SX = x dS^T), its row dots with V into partial sum Which
+// (DDA_CS or DDA_CS_REV), then its rows scaled by f[row >> lgR] (E or F). The owning warp goes on
+// accumulating the intra-chunk product into acc. Every lane of the warp calls it.
+template <int Which>
+BB_DEV void inter_chunk_tile(float (&acc)[2][4], const mimo::SplitTile& A, const mimo::SplitTile& Sp,
+                             const mimo::SplitTile& V, int m0, int n0, int P, int lgR,
+                             const float* f, float* part, int ncol_tiles) {
+  mimo::warp_mma_16x16<false, false>(acc, A, m0, Sp, n0, 0, P);
+  tile_row_dots<Which>(V, m0, n0, acc, part, ncol_tiles);
+  scale_rows(acc, m0, lgR, f);
+}
+
 // Stores a 16 x 16 accumulator tile into the fp32 matrix out (row stride ld).
 BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int ld) {
   const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
@@ -624,9 +637,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       mimo::zero_acc(accq[u]);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
-        warp_mma_16x16<false, false>(accq[u], Gp, m0, Sp, n0, 0, P);  // SG = dPhiO St^T
-        tile_row_dots<kPartCs>(Qh, m0, n0, accq[u], part, nN);
-        scale_rows(accq[u], m0, lgR, s_E);
+        inter_chunk_tile<kPartCs>(accq[u], Gp, Sp, Qh, m0, n0, P, lgR, s_E, part, nN);  // E SG
         // Keys of steps before the tile's last row's step (M1 is zero from there on).
         const int ke = bb_min(T, ((((m0 + 15) >> lgR) << lgR) + 15) & ~15);
         warp_mma_16x16<false, true>(accq[u], Mc, m0, Kh, n0, 0, ke);
@@ -669,9 +680,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       mimo::zero_acc(acck[u]);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
-        warp_mma_16x16<false, false>(acck[u], X, m0, Sp, n0, 0, P);  // SX = x dS^T
-        tile_row_dots<kPartRev>(Kh, m0, n0, acck[u], part, nN);
-        scale_rows(acck[u], m0, lgR, s_F);
+        inter_chunk_tile<kPartRev>(acck[u], X, Sp, Kh, m0, n0, P, lgR, s_F, part, nN);  // F SX
         // Queries of steps after the tile's first row's step.
         const int kb = bb_min(T, ((m0 >> lgR) + 1) << lgR) & ~15;
         warp_mma_16x16<false, true>(acck[u], Mc, m0, Qh, n0, kb, T);
