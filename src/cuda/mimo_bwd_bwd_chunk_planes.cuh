@@ -267,6 +267,28 @@ BB_DEV void pair_rows(int nrows, int lgP, Load load, Store store) {
   }
 }
 
+// pair_rows over a tensor whose row offset is linear in the row: load(row, off, pc) and
+// store(row, off, pc, v) get off = row * stride (elements) formed by one 64-bit add per row,
+// not a 64-bit multiply per row (the compiler does not strength-reduce row * stride there).
+template <int U, int NT, class Load, class Store>
+BB_DEV void pair_rows_lin(int nrows, int lgP, int64_t stride, Load load, Store store) {
+  const int lgH = lgP - 1, tid = bb_tid();
+  const int pc = (tid & ((1 << lgH) - 1)) * 2, rs = NT >> lgH;
+  const int64_t step = rs * stride;
+  int64_t off0 = (tid >> lgH) * stride;
+  for (int r0 = tid >> lgH; r0 < nrows; r0 += U * rs, off0 += U * step) {
+    decltype(load(0, off0, 0)) v[U] = {};
+    int64_t off = off0;
+    BB_UNROLL
+    for (int u = 0; u < U; ++u, off += step)
+      if (r0 + u * rs < nrows) v[u] = load(r0 + u * rs, off, pc);
+    off = off0;
+    BB_UNROLL
+    for (int u = 0; u < U; ++u, off += step)
+      if (r0 + u * rs < nrows) store(r0 + u * rs, off, pc, v[u]);
+  }
+}
+
 // (w[h][r][pc], w[h][r][pc + 1]) of an [H][R][P] weight (mimo_v, mimo_o).
 BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
   const int64_t o = int64_t{h} * w.s[0] + r * w.s[1] + pc * w.s[2];
@@ -644,12 +666,12 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     with_dtype(a.states.dt, [&](auto stag) {
       using TS = typename decltype(stag)::type;
       const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
-      pair_rows<4, NT>(
-          N, lgP,
-          [&](int n, int pc) {
-            return ld2_t<TS>(a.states, sb + n * ss3 + pc * ss4, ss4, a.vec_states);
+      pair_rows_lin<4, NT>(
+          N, lgP, ss3,
+          [&](int, int64_t off, int pc) {
+            return ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
           },
-          [&](int n, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
+          [&](int n, int64_t, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
     });
     if (a.has_d) {  // uniform over the block; its barriers also end the loads above
       const float tot = block_sum<NT>(dd_part, red);
@@ -726,15 +748,15 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     with_dtype(a.states.dt, [&](auto stag) {
       using TS = typename decltype(stag)::type;
       const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
-      pair_rows<4, NT>(
-          N, lgP,
-          [&](int n, int pc) {
-            const float2 st = ld2_t<TS>(a.states, sb + n * ss3 + pc * ss4, ss4, a.vec_states);
+      pair_rows_lin<4, NT>(
+          N, lgP, ss3,
+          [&](int n, int64_t off, int pc) {
+            const float2 st = ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
             // dS: the workspace, [N][P] fp32 at an even element offset (8-byte aligned).
             const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
             return make_float4(st.x, st.y, ds.x, ds.y);
           },
-          [&](int n, int pc, float4 sd) {
+          [&](int n, int64_t, int pc, float4 sd) {
             dda_part += sd.x * sd.z;
             dda_part += sd.y * sd.w;
             st_split_pair(Sp, n * ldP + pc, make_float2(sd.z, sd.w));
@@ -985,13 +1007,14 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       with_dtype(out.dt, [&](auto otag) {
         using TO = typename decltype(otag)::type;
         const int64_t o0 = int64_t{b} * out.s[0] + int64_t{h} * out.s[2], sn = out.s[3];
-        pair_rows<4, NT>(
-            TL, lgN,
-            [&](int row, int nc) {
+        const int64_t o1 = o0 + int64_t{s0} * R * out.s[1];
+        pair_rows_lin<4, NT>(
+            TL, lgN, out.s[1],
+            [&](int row, int64_t, int nc) {
               return *reinterpret_cast<const float2*>(src + (row << lgN) + nc);
             },
-            [&](int row, int nc, float2 v) {
-              st2_t<TO>(out, o0 + (int64_t{s0} * R + row) * out.s[1] + nc * sn, sn, vec, v);
+            [&](int, int64_t off, int nc, float2 v) {
+              st2_t<TO>(out, o1 + off + nc * sn, sn, vec, v);
             });
       });
     };
