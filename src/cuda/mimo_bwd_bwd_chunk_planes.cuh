@@ -176,9 +176,12 @@ BB_DEV void st_split_pair(const mimo::SplitTile& t, int e, float2 x) {
   mimo::st_split2(t.h, t.plane, e, x.x, x.y);
 }
 
-// hi + lo of element e (the operand as the products see it).
-BB_DEV float plane_val(const mimo::SplitTile& t, int e) {
-  return __bfloat162float(t.h[e]) + __bfloat162float(t.h[t.plane + e]);
+// hi + lo of elements e, e + 1 (e even; the operand as the products see it): one 4-byte load
+// per plane.
+BB_DEV float2 plane_val2(const mimo::SplitTile& t, int e) {
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.h + e));
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.h + t.plane + e));
+  return make_float2(hi.x + lo.x, hi.y + lo.y);
 }
 
 // For a warp's 16 x 16 accumulator tile (rows m0.., columns n0..), the row sums of
@@ -195,8 +198,9 @@ BB_DEV void tile_row_dots(const mimo::SplitTile& V, int m0, int n0, const float 
   float v0 = 0.f, v1 = 0.f;
   BB_UNROLL
   for (int j = 0; j < 2; ++j) {
-    v0 += plane_val(V, e0 + 8 * j) * acc[j][0] + plane_val(V, e0 + 8 * j + 1) * acc[j][1];
-    v1 += plane_val(V, e1 + 8 * j) * acc[j][2] + plane_val(V, e1 + 8 * j + 1) * acc[j][3];
+    const float2 p0 = plane_val2(V, e0 + 8 * j), p1 = plane_val2(V, e1 + 8 * j);
+    v0 += p0.x * acc[j][0] + p0.y * acc[j][1];
+    v1 += p1.x * acc[j][2] + p1.y * acc[j][3];
   }
   v0 += mimo::mb_shfl_xor(v0, 1);
   v1 += mimo::mb_shfl_xor(v1, 1);
