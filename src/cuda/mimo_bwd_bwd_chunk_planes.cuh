@@ -418,18 +418,17 @@ BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
     BB_UNROLL
     for (int k = 0; k < NX; ++k) {
       const View& x = *src[k].x;
-      const int64_t sx = x.s[4];
-      const int64_t xrow =
-          int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+      const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
+      // Rank r's row offset: xrow + r sr, stepped by one add per rank.
+      int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
       for (int r0 = 0; r0 < R; r0 += RG) {
         float2 x1[RG] = {}, x2[RG] = {};  // loads first
         BB_UNROLL
-        for (int u = 0; u < RG; ++u) {
+        for (int u = 0; u < RG; ++u, o += sr) {
           const int r = r0 + u;
           if (r < R && i < L) {
-            const int64_t o = xrow + r * x.s[2];
             const float2 lo = ld2_t<bf16_t>(x, o, sx, src[k].vec);
-            const float2 hi = ld2_t<bf16_t>(x, o + half * sx, sx, src[k].vec);
+            const float2 hi = ld2_t<bf16_t>(x, o + hs, sx, src[k].vec);
             const float4 bv = bias(k, r, n);
             x1[u] = make_float2(lo.x + bv.x, lo.y + bv.y);
             x2[u] = make_float2(hi.x + bv.z, hi.y + bv.w);
