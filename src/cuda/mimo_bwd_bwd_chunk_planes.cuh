@@ -140,6 +140,20 @@ BB_DEV void st2_t(const View& v, int64_t off, int64_t st, bool vec, float2 x) {
   }
 }
 
+// Stores x, rounded to nearest as rt_st, at p (a compile-time dtype).
+BB_DEV void st_t(float* p, float x) { *p = x; }
+BB_DEV void st_t(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+BB_DEV void st_t(__half* p, float x) { *p = __float2half_rn(x); }
+
+// x, formed where it is used: the compiler may not hoist it out of the chunk loop (why: a
+// loop-invariant value hoisted there stays live across phase 2, whose registers are all taken).
+BB_DEV int opaque(int x) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" : "+r"(x));
+#endif
+  return x;
+}
+
 using bf16_t = __nv_bfloat16;
 
 // dPhiO row (t, r) of dout starts at base + t st + r sr, stride sp along p (dphio_row and
@@ -156,21 +170,18 @@ BB_DEV DoutRows dout_rows(const Args& a, int b, int h) {
 
 // ------------------------------------------------------------------ planes helpers
 
-// Stores x as the split pair (hi, lo) at element e of a planes tile.
-BB_DEV void st_split1(const mimo::SplitTile& t, int e, float x) {
-  const __nv_bfloat16 hi = __float2bfloat16_rn(x);
-  t.h[e] = hi;
-  t.h[t.plane + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
-}
-
-// Elements e, e + 1 (e even): the same bits as two st_split1, in one 4-byte store per plane.
+// Stores (x.x, x.y) as split pairs (hi = bf16(x), lo = bf16(x - hi)) at elements e, e + 1
+// (e even) of a planes tile: one 4-byte store per plane.
 BB_DEV void st_split_pair(const mimo::SplitTile& t, int e, float2 x) {
   mimo::st_split2(t.h, t.plane, e, x.x, x.y);
 }
 
-// hi + lo of element e (the operand as the products see it).
-BB_DEV float plane_val(const mimo::SplitTile& t, int e) {
-  return __bfloat162float(t.h[e]) + __bfloat162float(t.h[t.plane + e]);
+// hi + lo of elements e, e + 1 (e even; the operand as the products see it): one 4-byte load
+// per plane.
+BB_DEV float2 plane_val2(const mimo::SplitTile& t, int e) {
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.h + e));
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.h + t.plane + e));
+  return make_float2(hi.x + lo.x, hi.y + lo.y);
 }
 
 // For a warp's 16 x 16 accumulator tile (rows m0.., columns n0..), the row sums of
@@ -187,8 +198,9 @@ BB_DEV void tile_row_dots(const mimo::SplitTile& V, int m0, int n0, const float 
   float v0 = 0.f, v1 = 0.f;
   BB_UNROLL
   for (int j = 0; j < 2; ++j) {
-    v0 += plane_val(V, e0 + 8 * j) * acc[j][0] + plane_val(V, e0 + 8 * j + 1) * acc[j][1];
-    v1 += plane_val(V, e1 + 8 * j) * acc[j][2] + plane_val(V, e1 + 8 * j + 1) * acc[j][3];
+    const float2 p0 = plane_val2(V, e0 + 8 * j), p1 = plane_val2(V, e1 + 8 * j);
+    v0 += p0.x * acc[j][0] + p0.y * acc[j][1];
+    v1 += p1.x * acc[j][2] + p1.y * acc[j][3];
   }
   v0 += mimo::mb_shfl_xor(v0, 1);
   v1 += mimo::mb_shfl_xor(v1, 1);
@@ -259,6 +271,28 @@ BB_DEV void pair_rows(int nrows, int lgP, Load load, Store store) {
   }
 }
 
+// pair_rows over a tensor whose row offset is linear in the row: load(row, off, pc) and
+// store(row, off, pc, v) get off = row * stride (elements) formed by one 64-bit add per row,
+// not a 64-bit multiply per row (the compiler does not strength-reduce row * stride there).
+template <int U, int NT, class Load, class Store>
+BB_DEV void pair_rows_lin(int nrows, int lgP, int64_t stride, Load load, Store store) {
+  const int lgH = lgP - 1, tid = bb_tid();
+  const int pc = (tid & ((1 << lgH) - 1)) * 2, rs = NT >> lgH;
+  const int64_t step = rs * stride;
+  int64_t off0 = (tid >> lgH) * stride;
+  for (int r0 = tid >> lgH; r0 < nrows; r0 += U * rs, off0 += U * step) {
+    decltype(load(0, off0, 0)) v[U] = {};
+    int64_t off = off0;
+    BB_UNROLL
+    for (int u = 0; u < U; ++u, off += step)
+      if (r0 + u * rs < nrows) v[u] = load(r0 + u * rs, off, pc);
+    off = off0;
+    BB_UNROLL
+    for (int u = 0; u < U; ++u, off += step)
+      if (r0 + u * rs < nrows) store(r0 + u * rs, off, pc, v[u]);
+  }
+}
+
 // (w[h][r][pc], w[h][r][pc + 1]) of an [H][R][P] weight (mimo_v, mimo_o).
 BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
   const int64_t o = int64_t{h} * w.s[0] + r * w.s[1] + pc * w.s[2];
@@ -296,9 +330,9 @@ inline void prefetch_l2(const void*) {}  // a hint: nothing to emulate
 // its next chunk during the current one's phase 3 (why: one CTA per SM, so nothing else overlaps
 // its load phases with DRAM latency; served from L2 they should be ~2x shorter: not measured).
 BB_DEV void prefetch_item(const Args& a, int64_t item) {
-  const int c = static_cast<int>(item % a.nch);
-  const int64_t bh = item / a.nch;
-  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), grp = h / a.HG;
+  // 32-bit divisions (B H nch < 2^31: make_plan), not the 64-bit division routine.
+  const int it = static_cast<int>(item), c = it % a.nch, bh = it / a.nch;
+  const int b = bh / a.H, h = bh % a.H, grp = h / a.HG;
   const int R = a.R, lgR = a.lgR, N = a.N, P = a.P, s0 = c * a.C, L = bb_min(a.C, a.S - s0);
   const bool partial = L < a.C;
   const int LR = L * R, nd = a.layout == 0 ? L : LR;
@@ -345,56 +379,76 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
   }
 }
 
-// The rotated, biased rows of q (or k) of one step i as split planes, scaled by `scale`, one
-// task per step and column pair (n, n + 1), n even < half, with its rotation partners
-// (half + n, half + n + 1), over the R ranks: rows i R + r of `out` (zero past the sequence).
+// One source of rotated_pair_rows: q or k (bf16: make_plan), whether its pair loads apply, its
+// output planes.
+struct RotSrc {
+  const View* x;
+  bool vec;
+  mimo::SplitTile out;
+};
+
+// The rotated, biased rows of NX sources (q; or q and k) of one step i as split planes, scaled
+// by scale[i] (nullptr: unscaled), one task per step and column pair (n, n + 1), n even < half,
+// with its rotation partners (half + n, half + n + 1), over the R ranks: rows i R + r of each
+// source's planes (zero past the sequence). The sources of a task share its sin / cos (one
+// sincosf per angle for q and k), which it also writes to tab[i A + n] when tab is given (for
+// phase 3). bias(k, r, n): (b[n], b[n + 1], b[half + n], b[half + n + 1]) of source k, rank r.
 // Each thread keeps its column pair (NT is a multiple of half / 2), steps strided. Loads of RG
 // ranks are issued before their stores (more loads in flight per thread). Same arithmetic per
 // element as the scalar (n, half + n) tasks they replace.
-template <int NT, int RG>
-BB_DEV void rotated_pair_rows(const Args& a, const View& x, const View& bias, bool vec, int b,
-                              int h, int grp, int s0, int L, const float* scale,
-                              const mimo::SplitTile& out, bool scaled) {
-  const int R = a.R, lgR = a.lgR, A = a.A, half = a.half, lgQ = a.lgN - 2;
-  const int64_t sx = x.s[4], x0 = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3];
-  const int64_t sb = bias.s[2], b0 = int64_t{h} * bias.s[0];
-  const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
-  for (int e = bb_tid(); e < (a.C << lgQ); e += NT) {
-    const int i = e >> lgQ, n = (e & ((1 << lgQ) - 1)) * 2;
+template <int NT, int RG, int NX, class Bias>
+BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
+                              int grp, int s0, int L, const float* scale, float2* tab) {
+  const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 2, lgR = a.lgR;
+  const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 2;
+  const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
+  const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2] + n * as3;
+  for (int i = tid >> lgQ; i < a.C; i += NT >> lgQ) {
     float2 sn = make_float2(0.f, 0.f), cs = make_float2(1.f, 1.f);
     if (i < L) {
-      const int64_t ao = ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3];
+      const int64_t ao = ang0 + (s0 + i) * as1;
       if (n < A) bb_sincos(ld(a.angles, ao), &sn.x, &cs.x);
-      if (n + 1 < A) bb_sincos(ld(a.angles, ao + a.angles.s[3]), &sn.y, &cs.y);
-    }
-    const float E = scaled ? (i < L ? scale[i] : 0.f) : 1.f;
-    const int64_t xrow = x0 + (s0 + i) * x.s[1] + n * sx;
-    for (int r0 = 0; r0 < R; r0 += RG) {
-      float2 x1[RG] = {}, x2[RG] = {};  // loads first
-      BB_UNROLL
-      for (int u = 0; u < RG; ++u) {
-        const int r = r0 + u;
-        if (r < R && i < L) {
-          const int64_t o = xrow + r * x.s[2], ob = b0 + r * bias.s[1] + n * sb;
-          const float2 lo = ld2_t<bf16_t>(x, o, sx, vec);
-          const float2 hi = ld2_t<bf16_t>(x, o + half * sx, sx, vec);
-          x1[u] = make_float2(lo.x + ld(bias, ob), lo.y + ld(bias, ob + sb));
-          x2[u] = make_float2(hi.x + ld(bias, ob + half * sb),
-                              hi.y + ld(bias, ob + (half + 1) * sb));
-        }
+      if (n + 1 < A) bb_sincos(ld(a.angles, ao + as3), &sn.y, &cs.y);
+      if (tab != nullptr) {
+        if (n < A) tab[i * A + n] = make_float2(sn.x, cs.x);
+        if (n + 1 < A) tab[i * A + n + 1] = make_float2(sn.y, cs.y);
       }
-      BB_UNROLL
-      for (int u = 0; u < RG; ++u) {
-        const int r = r0 + u;
-        if (r < R) {
-          const int row = (i << lgR) + r;
-          float2 y1 = x1[u], y2 = x2[u];
-          if (n < A) y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
-          if (n + 1 < A)
-            y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
-          if (scaled) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
-          st_split_pair(out, row * out.ld + n, y1);
-          st_split_pair(out, row * out.ld + half + n, y2);
+    }
+    const float E = scale != nullptr ? (i < L ? scale[i] : 0.f) : 1.f;
+    BB_UNROLL
+    for (int k = 0; k < NX; ++k) {
+      const View& x = *src[k].x;
+      const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
+      // Rank r's row offset: xrow + r sr, stepped by one add per rank.
+      int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+      for (int r0 = 0; r0 < R; r0 += RG) {
+        float2 x1[RG] = {}, x2[RG] = {};  // loads first
+        BB_UNROLL
+        for (int u = 0; u < RG; ++u, o += sr) {
+          const int r = r0 + u;
+          if (r < R && i < L) {
+            const float2 lo = ld2_t<bf16_t>(x, o, sx, src[k].vec);
+            const float2 hi = ld2_t<bf16_t>(x, o + hs, sx, src[k].vec);
+            const float4 bv = bias(k, r, n);
+            x1[u] = make_float2(lo.x + bv.x, lo.y + bv.y);
+            x2[u] = make_float2(hi.x + bv.z, hi.y + bv.w);
+          }
+        }
+        const mimo::SplitTile& out = src[k].out;
+        BB_UNROLL
+        for (int u = 0; u < RG; ++u) {
+          const int r = r0 + u;
+          if (r < R) {
+            const int row = (i << lgR) + r;
+            float2 y1 = x1[u], y2 = x2[u];
+            if (n < A)
+              y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
+            if (n + 1 < A)
+              y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
+            if (scale != nullptr) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
+            st_split_pair(out, row * out.ld + n, y1);
+            st_split_pair(out, row * out.ld + half + n, y2);
+          }
         }
       }
     }
@@ -408,12 +462,12 @@ BB_DEV void rotated_pair_rows(const Args& a, const View& x, const View& bias, bo
 BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
   constexpr int NT = kIncPlanesThreads;
   const int64_t item = bb_bid();  // = bh * nch + c
-  const int c = static_cast<int>(item % a.nch);
+  const int it = static_cast<int>(item), c = it % a.nch;  // 32-bit: B H nch < 2^31
   if (c == 0) return;  // U_0 would only feed the state entering chunk 0, which nothing reads
   const PlanesLayout& Ly = a.ply;
   const int tid = bb_tid(), warp = tid >> 5;
-  const int64_t bh = item / a.nch;
-  const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), grp = h / a.HG;
+  const int bh = it / a.nch;
+  const int b = bh / a.H, h = bh % a.H, grp = h / a.HG;
   const int N = a.N, P = a.P, R = a.R, C = a.C, T = C * R, lgR = a.lgR, lgP = a.lgP;
   const int s0 = c * C, L = bb_min(C, a.S - s0), TL = L * R;
   const int ldN = Ly.ldN, ldP = Ly.ldP;
@@ -444,7 +498,21 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
   });
   bb_sync();  // s_E
   // Two ranks per load group: with four, ptxas spills at K1's 64 registers.
-  rotated_pair_rows<NT, 2>(a, a.q, a.q_bias, a.vec_q, b, h, grp, s0, L, s_E, EQ, true);
+  // q_bias with its dtype dispatched once (K1 has no shared memory to spare for staging it).
+  with_dtype(a.q_bias.dt, [&](auto btag) {
+    using TB = typename decltype(btag)::type;
+    const View& qb = a.q_bias;
+    const int64_t sb = qb.s[2], b0 = int64_t{h} * qb.s[0], hs = a.half * sb;
+    const RotSrc src[1] = {{&a.q, a.vec_q != 0, EQ}};
+    rotated_pair_rows<NT, 2>(
+        a, src,
+        [&](int, int r, int n) {
+          const int64_t ob = b0 + r * qb.s[1] + n * sb;
+          return make_float4(ld_t<TB>(qb, ob), ld_t<TB>(qb, ob + sb), ld_t<TB>(qb, ob + hs),
+                             ld_t<TB>(qb, ob + hs + sb));
+        },
+        b, h, grp, s0, L, s_E, nullptr);
+  });
   bb_sync();
   float* U = a.ws_ds + item * static_cast<int64_t>(N) * P;
   const int lgnP = a.lgtP;  // 16-wide tiles along P
@@ -491,12 +559,21 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
   // kh . dkh (DFACTOR).
   float* part = flp(Ly.part);
   constexpr int kPartCs = 0, kPartRev = 1, kPartFac = 2;
+  // q_bias, k_bias [R][N] fp32 of the chunk's head; the (sin, cos) of the chunk's angles [C][A]
+  // where the layout has room (else nullptr: phase 3 calls sincos again). Formed where used,
+  // from the kernel parameters (kept live across phase 2 they spilled).
+  auto qbias = [&] { return flp(opaque(Ly.qb)); };
+  auto kbias = [&] { return flp(opaque(Ly.qb)) + (R << lgN); };
+  auto cs_tab = [&] {
+    const int o = opaque(Ly.cs);
+    return o >= 0 ? reinterpret_cast<float2*>(smem + o) : nullptr;
+  };
 
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
   for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
-    const int c = static_cast<int>(item % a.nch);
-    const int64_t bh = item / a.nch;
-    const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H), grp = h / a.HG;
+    // 32-bit divisions (B H nch < 2^31: make_plan), not the 64-bit division routine.
+    const int it = static_cast<int>(item), c = it % a.nch, bh = it / a.nch;
+    const int b = bh / a.H, h = bh % a.H, grp = h / a.HG;
     const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), TL = L * R;
     const bool partial = L < C;
     const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
@@ -508,6 +585,12 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
 
     // ---- phase 0: per-step inputs, planes
+    // q_bias, k_bias [R][N] as fp32 (read per element of qh, kh and of phase 3).
+    for (int e = tid; e < (R << lgN); e += NT) {
+      const int r = e >> lgN, n = e & (N - 1);
+      qbias()[e] = ld(a.q_bias, o3(a.q_bias, h, r, n));
+      kbias()[e] = ld(a.k_bias, o3(a.k_bias, h, r, n));
+    }
     for (int i = tid; i < Lx; i += NT) {
       const int t = s0 + i;
       if (i < L) s_dacs[i] = ld(a.da_cs, o3(a.da_cs, b, h, t));
@@ -517,25 +600,41 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     }
     // The chunk's raw segsum [C][C] now, with the planes' loads (why: read per coefficient in
     // the three builds of phase 2, each was an exposed global load); exponentiated below.
-    {
+    // (Typed loads: the dtypes dispatched once per loop.)
+    with_dtype(a.segsum.dt, [&](auto wtag) {
+      using TW = typename decltype(wtag)::type;
       const int64_t w0 = o3(a.segsum, b, h, c);
       for (int e = tid; e < (C << lgC); e += NT) {
         const int i = e >> lgC, j = e & (C - 1);
         s_W[e] = !partial && j < i && i < L
-                     ? ld(a.segsum, w0 + i * a.segsum.s[3] + j * a.segsum.s[4])
+                     ? ld_t<TW>(a.segsum, w0 + i * a.segsum.s[3] + j * a.segsum.s[4])
                      : 0.f;
       }
-    }
-    {
+    });
+    with_dtype(a.qk_dot.dt, [&](auto qtag) {
+      using TQ = typename decltype(qtag)::type;
       const int64_t qk0 = o3(a.qk_dot, b, h, s0);
       for (int e = tid; e < (L << (2 * lgR)); e += NT) {
         const int i = e >> (2 * lgR), r = (e >> lgR) & (R - 1), r2 = e & (R - 1);
-        s_qk[e] = ld(a.qk_dot, qk0 + i * a.qk_dot.s[2] + r * a.qk_dot.s[3] + r2 * a.qk_dot.s[4]);
+        s_qk[e] =
+            ld_t<TQ>(a.qk_dot, qk0 + i * a.qk_dot.s[2] + r * a.qk_dot.s[3] + r2 * a.qk_dot.s[4]);
       }
+    });
+    // qh, kh: tasks per step and rotation column pair over the R ranks, q and k together (one
+    // sincos per angle, kept in tab for phase 3 where it fits); the biases from shared memory.
+    bb_sync();  // s_qbias, s_kbias
+    {
+      const RotSrc src[2] = {{&a.q, a.vec_q != 0, Qh}, {&a.k, a.vec_k != 0, Kh}};
+      rotated_pair_rows<NT, 4>(
+          a, src,
+          [&](int k, int r, int n) {
+            const float* p = (k == 0 ? qbias() : kbias()) + (r << lgN) + n;
+            const float2 lo = *reinterpret_cast<const float2*>(p);
+            const float2 hi = *reinterpret_cast<const float2*>(p + half);
+            return make_float4(lo.x, lo.y, hi.x, hi.y);
+          },
+          b, h, grp, s0, L, nullptr, cs_tab());
     }
-    // qh, kh: tasks per step and rotation column pair over the R ranks.
-    rotated_pair_rows<NT, 4>(a, a.q, a.q_bias, a.vec_q, b, h, grp, s0, L, nullptr, Qh, false);
-    rotated_pair_rows<NT, 4>(a, a.k, a.k_bias, a.vec_k, b, h, grp, s0, L, nullptr, Kh, false);
     float dd_part = 0.f;
     with_dout_dtype(a.dout.dt, [&](auto dtag) {
       using TD = typename decltype(dtag)::type;
@@ -570,12 +669,12 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     with_dtype(a.states.dt, [&](auto stag) {
       using TS = typename decltype(stag)::type;
       const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
-      pair_rows<4, NT>(
-          N, lgP,
-          [&](int n, int pc) {
-            return ld2_t<TS>(a.states, sb + n * ss3 + pc * ss4, ss4, a.vec_states);
+      pair_rows_lin<4, NT>(
+          N, lgP, ss3,
+          [&](int, int64_t off, int pc) {
+            return ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
           },
-          [&](int n, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
+          [&](int n, int64_t, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
     });
     if (a.has_d) {  // uniform over the block; its barriers also end the loads above
       const float tot = block_sum<NT>(dd_part, red);
@@ -618,16 +717,18 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     bb_sync();
 
     // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
-    // The coefficient matrices are built by (row, step j) tasks over the R ranks of j: one
-    // exp(segsum) per task, not per element.
-    for (int e = tid; e < (T << lgC); e += NT) {
-      const int row = e >> lgC, j = e & (C - 1), i = row >> lgR;
-      const bool live = j < i && row < TL;
-      const float w = live ? Wf(i, j) * s_ts[j] : 0.f;
-      for (int r1 = 0; r1 < R; ++r1) {
-        const int ra = (j << lgR) + r1;
-        st_split1(Mc, row * ldT + ra, live ? w * XG[(ra << lgT) + row] : 0.f);
-      }
+    // The coefficient matrices are built by (row, column pair) tasks, one split pair store per
+    // task; the two columns share their step j (one weight) unless R = 1. M1 reads XG
+    // transposed, so its tasks run along the rows (conflict-free loads).
+    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+      const int row = e & (T - 1), ca = (e >> lgT) * 2, i = row >> lgR;
+      const int j0 = ca >> lgR, j1 = (ca + 1) >> lgR;
+      const bool live0 = j0 < i && row < TL, live1 = j1 < i && row < TL;
+      const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
+      const float w1 = lgR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
+      st_split_pair(Mc, row * ldT + ca,
+                    make_float2(live0 ? w0 * XG[(ca << lgT) + row] : 0.f,
+                                live1 ? w1 * XG[((ca + 1) << lgT) + row] : 0.f));
     }
     bb_sync();
     float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
@@ -650,28 +751,31 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     with_dtype(a.states.dt, [&](auto stag) {
       using TS = typename decltype(stag)::type;
       const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
-      pair_rows<4, NT>(
-          N, lgP,
-          [&](int n, int pc) {
-            const float2 st = ld2_t<TS>(a.states, sb + n * ss3 + pc * ss4, ss4, a.vec_states);
+      pair_rows_lin<4, NT>(
+          N, lgP, ss3,
+          [&](int n, int64_t off, int pc) {
+            const float2 st = ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
             // dS: the workspace, [N][P] fp32 at an even element offset (8-byte aligned).
             const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
             return make_float4(st.x, st.y, ds.x, ds.y);
           },
-          [&](int n, int pc, float4 sd) {
+          [&](int n, int64_t, int pc, float4 sd) {
             dda_part += sd.x * sd.z;
             dda_part += sd.y * sd.w;
             st_split_pair(Sp, n * ldP + pc, make_float2(sd.z, sd.w));
           });
     });
-    for (int e = tid; e < (T << lgC); e += NT) {
-      const int row = e >> lgC, j = e & (C - 1), i = row >> lgR;
-      const bool live = j > i && j < L;
-      const float w = live ? Wf(j, i) : 0.f;
-      for (int r = 0; r < R; ++r) {
-        const int rb = (j << lgR) + r;
-        st_split1(Mc, row * ldT + rb, live ? w * XG[(row << lgT) + rb] : 0.f);
-      }
+    // (Not unrolled: it runs with the dqh accumulators live; unrolled, it spilled.)
+    BB_NO_UNROLL
+    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+      const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> lgR;
+      const int j0 = cb >> lgR, j1 = (cb + 1) >> lgR;
+      const bool live0 = j0 > i && j0 < L, live1 = j1 > i && j1 < L;
+      const float w0 = live0 ? Wf(j0, i) : 0.f;
+      const float w1 = lgR > 0 ? w0 : live1 ? Wf(j1, i) : 0.f;
+      const float2 xg = *reinterpret_cast<const float2*>(XG + (row << lgT) + cb);
+      st_split_pair(Mc, row * ldT + cb,
+                    make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
     }
     const float dda = expf(da_last) * block_sum<NT>(dda_part, red);  // + barrier
     BB_UNROLL
@@ -691,21 +795,23 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- dx. M3[(i,r2)][(j,r)] = W[j][i] ts_i KQ[(i,r2)][(j,r)] (j > i),
     //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
-    for (int e = tid; e < (T << lgC); e += NT) {
-      const int row = e >> lgC, j = e & (C - 1), i = row >> lgR, r2 = row & (R - 1);
-      const bool live = row < TL && j < L;
-      const float w = live && j > i ? Wf(j, i) * s_ts[i] : 0.f;
-      for (int r = 0; r < R; ++r) {
-        const int rb = (j << lgR) + r;
-        float m = 0.f;
-        if (live) {
+    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+      const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> lgR,
+                r2 = row & (R - 1);
+      const float2 kq = *reinterpret_cast<const float2*>(KQ + (row << lgT) + cb);
+      float m[2];
+      BB_UNROLL
+      for (int u = 0; u < 2; ++u) {
+        const int rb = cb + u, j = rb >> lgR, r = rb & (R - 1);
+        m[u] = 0.f;
+        if (row < TL && j < L) {
           if (j > i)
-            m = w * KQ[(row << lgT) + rb];
+            m[u] = (Wf(j, i) * s_ts[i]) * (u == 0 ? kq.x : kq.y);
           else if (j == i)
-            m = s_gam[i] * s_qk[(((i << lgR) + r) << lgR) + r2] + (r == r2 ? Dh : 0.f);
+            m[u] = s_gam[i] * s_qk[(((i << lgR) + r) << lgR) + r2] + (r == r2 ? Dh : 0.f);
         }
-        st_split1(Mc, row * ldT + rb, m);
       }
+      st_split_pair(Mc, row * ldT + cb, make_float2(m[0], m[1]));
     }
     // Per-step outputs (the row partials are complete since the last barrier).
     for (int i = tid; i < L; i += NT) {
@@ -720,28 +826,31 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         for (int r2 = 0; r2 < R; ++r2)
           dgam += s_qk[(((i << lgR) + r) << lgR) + r2] *
                   XG[(((i << lgR) + r2) << lgT) + (i << lgR) + r];
-      const int t = s0 + i;
-      st(a.dda, o3(a.dda, b, h, t), dda);
-      st(a.dda_cs, o3(a.dda_cs, b, h, t), cs);
-      st(a.dda_cs_rev, o3(a.dda_cs_rev, b, h, t), s_ts[i] * rev);
-      st(a.dfactor, o3(a.dfactor, b, h, t), fac);
-      st(a.dgamma, o3(a.dgamma, b, h, t), dgam);
+      const int t = s0 + i;  // the per-step outputs are fp32 (params)
+      st_t(reinterpret_cast<float*>(a.dda.p) + o3(a.dda, b, h, t), dda);
+      st_t(reinterpret_cast<float*>(a.dda_cs.p) + o3(a.dda_cs, b, h, t), cs);
+      st_t(reinterpret_cast<float*>(a.dda_cs_rev.p) + o3(a.dda_cs_rev, b, h, t), s_ts[i] * rev);
+      st_t(reinterpret_cast<float*>(a.dfactor.p) + o3(a.dfactor, b, h, t), fac);
+      st_t(reinterpret_cast<float*>(a.dgamma.p) + o3(a.dgamma, b, h, t), dgam);
     }
     {
       const int64_t dss0 = o3(a.dssda, b, h, c);
+      float* dssda = reinterpret_cast<float*>(a.dssda.p);  // fp32 (params)
       for (int e = tid; e < (C << lgC); e += NT) {
         // DSSDA[s, t]: every pair of valid steps, unmasked; rows / columns past the sequence 0.
         const int s = e >> lgC, tq = e & (C - 1);
         float acc = 0.f;
         if (s < L && tq < L) {
-          for (int r2 = 0; r2 < R; ++r2)
-            for (int r = 0; r < R; ++r) {
-              const int idx = (((s << lgR) + r2) << lgT) + (tq << lgR) + r;
-              acc += KQ[idx] * XG[idx];
-            }
+          // The ranks r unrolled (immediate offsets); r2 not (its registers: this runs with
+          // the dqh / dkh accumulators live).
+          for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR); r2 < R; ++r2, b2 += T) {
+            BB_UNROLL
+            for (int r = 0; r < kMaxR; ++r)
+              if (r < R) acc += KQ[b2 + r] * XG[b2 + r];
+          }
           acc *= s_ts[s];
         }
-        st(a.dssda, dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4], acc);
+        dssda[dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4]] = acc;
       }
     }
     bb_sync();
@@ -759,16 +868,6 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
 
     // ---- phase 3
-    // q_bias, k_bias [R][N] as fp32 over the dead state planes (2 R N floats fit their
-    // 4 N (P + 8) bytes: P >= 16, R <= 8): read R times per element below, from shared memory
-    // instead of through ld()'s dtype switch and 64-bit offsets.
-    float* s_qbias = flp(Ly.st);
-    float* s_kbias = s_qbias + (R << lgN);
-    for (int e = tid; e < (R << lgN); e += NT) {
-      const int r = e >> lgN, n = e & (N - 1);
-      s_qbias[e] = ld(a.q_bias, o3(a.q_bias, h, r, n));
-      s_kbias[e] = ld(a.k_bias, o3(a.k_bias, h, r, n));
-    }
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
       const int tile = warp + u * kPlanesWarps;
@@ -777,6 +876,17 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         store_tile(accq[u], m0, n0, dqh, N);
         store_tile(acck[u], m0, n0, dkh, N);
       }
+    }
+    // The diagonal blocks of XG scaled by gamma, for the DQ / DK tasks below (per step, not per
+    // column): dg_q[(i R + r) R + r2] = gamma_i XG[(i, r2)][(i, r)], dg_k the transpose; over
+    // the dead KQ (2 T R floats of its T^2: C >= 8).
+    float* dg_q = KQ;
+    float* dg_k = KQ + (T << lgR);
+    for (int e = tid; e < (T << lgR); e += NT) {
+      const int row = e >> lgR, i = row >> lgR, r2 = e & (R - 1);
+      const float gam = s_gam[i];
+      dg_q[e] = gam * XG[(((i << lgR) + r2) << lgT) + row];
+      dg_k[e] = gam * XG[(row << lgT) + (i << lgR) + r2];
     }
     // Here, not earlier: the accumulators are dead (no registers to spare in phase 2).
     if (a.prefetch && item + bb_nblocks() < total) prefetch_item(a, item + bb_nblocks());
@@ -787,30 +897,40 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const int lgH = lgN - 1;
     const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
     const int64_t k0 = int64_t{b} * a.k.s[0] + int64_t{grp} * a.k.s[3];
-    // Biased q / k element (row = i R + r of this chunk, column n), exact fp32.
-    auto qb_at = [&](int i, int r, int n) {
-      return ld_t<bf16_t>(a.q, q0 + (s0 + i) * a.q.s[1] + r * a.q.s[2] + n * a.q.s[4]) +
-             s_qbias[(r << lgN) + n];
-    };
-    auto kb_at = [&](int i, int r, int n) {
-      return ld_t<bf16_t>(a.k, k0 + (s0 + i) * a.k.s[1] + r * a.k.s[2] + n * a.k.s[4]) +
-             s_kbias[(r << lgN) + n];
-    };
+    const int64_t qs2 = a.q.s[2], qs4 = a.q.s[4], ks2 = a.k.s[2], ks4 = a.k.s[4];
+    const float *s_qbias = qbias(), *s_kbias = kbias();
+    const float2* tab = cs_tab();
     const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
     const int64_t dang0 = int64_t{b} * a.dangles.s[0] + int64_t{h} * a.dangles.s[2];
     for (int e = tid; e < (L << lgH); e += NT) {
       const int i = e >> lgH, n = e & (half - 1);
-      const float ts = s_ts[i], gam = s_gam[i];
+      const float ts = s_ts[i];
       const bool rot = n < A;
       float sn = 0.f, cs = 1.f;
-      if (rot)
-        bb_sincos(ld(a.angles, ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3]), &sn, &cs);
-      float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];  // biased, unrotated
-      BB_UNROLL
-      for (int r = 0; r < kMaxR; ++r) {
-        if (r < R) {
-          qb1[r] = qb_at(i, r, n), qb2[r] = qb_at(i, r, half + n);
-          kb1[r] = kb_at(i, r, n), kb2[r] = kb_at(i, r, half + n);
+      if (rot) {
+        if (tab != nullptr) {
+          const float2 t = tab[i * A + n];  // phase 0's sincos of the same angle
+          sn = t.x, cs = t.y;
+        } else {
+          bb_sincos(ld(a.angles, ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3]), &sn, &cs);
+        }
+      }
+      // Biased, unrotated q / k elements (row i R + r, columns n, half + n), exact fp32.
+      float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];
+      {
+        const int64_t qi = q0 + (s0 + i) * a.q.s[1] + n * qs4;
+        const int64_t ki = k0 + (s0 + i) * a.k.s[1] + n * ks4;
+        BB_UNROLL
+        for (int r = 0; r < kMaxR; ++r) {
+          if (r < R) {
+            const int64_t qo = qi + r * qs2, ko = ki + r * ks2;
+            const float* bq = s_qbias + (r << lgN) + n;
+            const float* bk = s_kbias + (r << lgN) + n;
+            qb1[r] = ld_t<bf16_t>(a.q, qo) + bq[0];
+            qb2[r] = ld_t<bf16_t>(a.q, qo + half * qs4) + bq[half];
+            kb1[r] = ld_t<bf16_t>(a.k, ko) + bk[0];
+            kb2[r] = ld_t<bf16_t>(a.k, ko + half * ks4) + bk[half];
+          }
         }
       }
       float dang = 0.f;
@@ -833,14 +953,14 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
           BB_UNROLL
           for (int r2 = 0; r2 < kMaxR; ++r2) {
             if (r2 < R) {
-              const float xq = gam * XG[(((i << lgR) + r2) << lgT) + row];
+              const float xq = dg_q[(row << lgR) + r2];
               oq0 += xq * kb1[r2], oq1 += xq * kb2[r2];
             }
           }
           BB_UNROLL
           for (int r1 = 0; r1 < kMaxR; ++r1) {
             if (r1 < R) {
-              const float xk = gam * XG[(row << lgT) + (i << lgR) + r1];
+              const float xk = dg_k[(row << lgR) + r1];
               ok0 += xk * qb1[r1], ok1 += xk * qb2[r1];
             }
           }
@@ -849,20 +969,31 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
           dkh[base + n] = ok0, dkh[base + half + n] = ok1;
         }
       }
-      if (rot) st(a.dangles, dang0 + (s0 + i) * a.dangles.s[1] + n * a.dangles.s[3], dang);
+      if (rot)  // fp32 (params)
+        reinterpret_cast<float*>(a.dangles.p)[dang0 + (s0 + i) * a.dangles.s[1] +
+                                              n * a.dangles.s[3]] = dang;
     }
     const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
     {
-      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0], mvs = a.mimo_v.s[2];
-      const int64_t dv0 = int64_t{b} * a.dv.s[0] + int64_t{h} * a.dv.s[2];
-      for (int e = tid; e < (L << lgP); e += NT) {
-        const int i = e >> lgP, p = e & (P - 1);
-        const int64_t mv = mv0 + p * mvs;
-        float acc = 0.f;
-        for (int r = 0; r < R; ++r)
-          acc += dx[(((i << lgR) + r) << lgP) + p] * ld(a.mimo_v, mv + r * a.mimo_v.s[1]);
-        st(a.dv, dv0 + (s0 + i) * a.dv.s[1] + p * a.dv.s[3], acc);
-      }
+      // This thread's column p is fixed (NT is a multiple of P): its mimo_v[h][r][p] once.
+      const int p = tid & (P - 1);
+      float mvr[kMaxR];
+      BB_UNROLL
+      for (int r = 0; r < kMaxR; ++r)
+        mvr[r] = r < R ? ld(a.mimo_v, o3(a.mimo_v, h, r, p)) : 0.f;
+      with_dtype(a.dv.dt, [&](auto vtag) {
+        using TV = typename decltype(vtag)::type;
+        TV* dvp = reinterpret_cast<TV*>(a.dv.p) + int64_t{b} * a.dv.s[0] +
+                  int64_t{h} * a.dv.s[2] + p * a.dv.s[3];
+        const int64_t ds1 = a.dv.s[1];
+        for (int i = tid >> lgP; i < L; i += NT >> lgP) {
+          float acc = 0.f;
+          BB_UNROLL
+          for (int r = 0; r < kMaxR; ++r)
+            if (r < R) acc += dx[(((i << lgR) + r) << lgP) + p] * mvr[r];
+          st_t(dvp + (s0 + i) * ds1, acc);
+        }
+      });
     }
     for (int e = tid; e < (R << lgP); e += NT) {
       const int r = e >> lgP, p = e & (P - 1);
@@ -879,13 +1010,14 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       with_dtype(out.dt, [&](auto otag) {
         using TO = typename decltype(otag)::type;
         const int64_t o0 = int64_t{b} * out.s[0] + int64_t{h} * out.s[2], sn = out.s[3];
-        pair_rows<4, NT>(
-            TL, lgN,
-            [&](int row, int nc) {
+        const int64_t o1 = o0 + int64_t{s0} * R * out.s[1];
+        pair_rows_lin<4, NT>(
+            TL, lgN, out.s[1],
+            [&](int row, int64_t, int nc) {
               return *reinterpret_cast<const float2*>(src + (row << lgN) + nc);
             },
-            [&](int row, int nc, float2 v) {
-              st2_t<TO>(out, o0 + (int64_t{s0} * R + row) * out.s[1] + nc * sn, sn, vec, v);
+            [&](int, int64_t off, int nc, float2 v) {
+              st2_t<TO>(out, o1 + off + nc * sn, sn, vec, v);
             });
       });
     };

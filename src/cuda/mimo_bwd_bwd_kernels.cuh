@@ -45,9 +45,11 @@
 #if defined(__CUDACC__)
 #define BB_DEV __device__ __forceinline__
 #define BB_UNROLL _Pragma("unroll")
+#define BB_NO_UNROLL _Pragma("unroll 1")
 #else
 #define BB_DEV inline
 #define BB_UNROLL
+#define BB_NO_UNROLL
 #endif
 
 namespace mamba3::cuda::bb {
@@ -107,6 +109,11 @@ struct PlanesLayout {
   // [kPlanesThreads] and three per-row partial sums [T][N / 16][3].
   int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0,
       W = 0;  // + exp(segsum) [C][C] (fp32)
+  // q_bias, k_bias of the chunk's head [2][R][N] (fp32), staged once per chunk for phases 0
+  // and 3; and, where it fits (cs >= 0: all of SPEC.md's grid but N128 R1 C64), the chunk's
+  // (sin, cos) of the angles [C][A] (float2), from phase 0 for phase 3, else phase 3 calls
+  // sincos again.
+  int qb = 0, cs = -1;
   int64_t bytes = 0;
   // K1 on planes (increment_planes_body, kIncPlanesThreads): E qh [T][ldN] and dPhiO [T][ldP]
   // planes, then E [C] (fp32).
@@ -114,7 +121,7 @@ struct PlanesLayout {
   int64_t inc_bytes = 0;
 };
 
-inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C) {
+inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, int64_t A) {
   PlanesLayout L;
   const int64_t T = C * R;
   L.ldN = static_cast<int>(N + 8), L.ldP = static_cast<int>(P + 8);  // + 8: conflict-free ldmatrix
@@ -147,6 +154,9 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C) {
   L.red = take(4 * kPlanesThreads);
   L.part = take(4 * 3 * T * (N / 16));
   L.W = take(4 * C * C);
+  L.qb = take(4 * 2 * R * N);
+  const int64_t cs_bytes = 8 * C * std::max<int64_t>(A, 1);
+  if (o + cs_bytes <= kPlanesSmemMax) L.cs = take(cs_bytes);
   L.bytes = o;
   o = 0;
   take(bf2 * T * L.ldN);
@@ -941,7 +951,7 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
   //    increment_body / chunk_body;
   //  - P <= 2 kPlanesThreads / kMaxR (128, SPEC.md's largest): the [rows][P] loops give each
   //    thread a fixed column pair, and in K3 a fixed rank (its rows step by a multiple of R).
-  pl.ply = planes_layout(p.N, p.P, p.R, p.C);
+  pl.ply = planes_layout(p.N, p.P, p.R, p.C, p.A);
   const int64_t tiles_max = int64_t{kPlanesWarps} * kPlanesTilesPerWarp * 256;
   auto pow2 = [](int64_t x) { return x > 0 && (x & (x - 1)) == 0; };
   const bool bf16_io = p.q.dtype == DType::BF16 && p.k.dtype == DType::BF16 &&

@@ -370,6 +370,17 @@ TEST(MimoBwdBwdEmulated, PlanesKernelReferenceShape) {
              301, bb::kMaxSlots, K3::Planes);
 }
 
+// A shape whose shared memory has no room for the per-chunk (sin, cos) table (N128 R1 C64: phase 3
+// calls sincos again instead of reading phase 0's), a full and a partial chunk.
+TEST(MimoBwdBwdEmulated, PlanesKernelWithoutAngleTable) {
+  mamba3::MimoBwdBwdParams p;
+  p.N = 128, p.P = 64, p.R = 1, p.C = 64, p.A = 32;
+  ASSERT_LT(bb::planes_layout(p.N, p.P, p.R, p.C, p.A).cs, 0);
+  ASSERT_GE(bb::planes_layout(128, 64, 4, 16, 32).cs, 0);  // the reference shape has it
+  check_case(Shape{1, 100, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, IoType::BF16, IoType::F32},
+             401, bb::kMaxSlots, K3::Planes);
+}
+
 // The planes kernel walks several chunks per CTA (the device launches one CTA per SM; here 3)
 // and prefetches the next one's inputs.
 TEST(MimoBwdBwdEmulated, PlanesKernelGridStride) {
