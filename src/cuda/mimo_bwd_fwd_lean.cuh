@@ -22,6 +22,7 @@
 // Scores = Qh Kh^T; Y = diag(exp(da_cs)) Qh St + Sc X; St' = e St + Kh^T Xw.
 #pragma once
 
+#include <cstring>
 #include <type_traits>
 
 #include "cuda/bf16_split_mma.cuh"
@@ -67,6 +68,16 @@ MB_DEV LeanTiles lean_tiles(const MbArgs& a, const MbLayout& L, float* sm) {
 // (rotary_dim_divisor 2 or 4, N a multiple of 16). The per-element versions of these loops
 // (64-bit offsets from four or five runtime strides, a runtime layout branch per load, a dtype
 // switch per store, divisions by runtime sizes) made the chunk pass instruction-bound.
+
+// x, opaque to the compiler: offsets derived from it are recomputed where they are used (once
+// per chunk) instead of being hoisted out of the chunk loop, where they would hold registers
+// for the whole loop (the 8-tile states have few to spare). Nothing on the host.
+MB_DEV int mb_opaque(int x) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" : "+r"(x));
+#endif
+  return x;
+}
 
 // log2 of a power of two.
 MB_DEV int mb_lg2(int x) {
@@ -159,12 +170,37 @@ MB_DEV float st_bf(const float* region, int e) {
   return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(region)[e]);
 }
 
+MB_DEV float mb_u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// split2 (same values) with the bf16 -> fp32 widening of the hi pair as bit operations (a shift
+// and a mask): through __bfloat1622float2 the compiler spends two extra byte permutes per pair.
+MB_DEV void split2f(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = bf2_bits(__floats2bfloat162_rn(x0, x1));
+  lo = bf2_bits(__floats2bfloat162_rn(x0 - mb_u2f(hi << 16), x1 - mb_u2f(hi & 0xffff0000u)));
+}
+
+// st_split2 with split2f.
+MB_DEV void st_split2f(__nv_bfloat16* base, int plane, int e, float x0, float x1) {
+  uint32_t hi, lo;
+  split2f(x0, x1, hi, lo);
+  *reinterpret_cast<uint32_t*>(base + e) = hi;
+  *reinterpret_cast<uint32_t*>(base + plane + e) = lo;
+}
+
 // Stores the split quad (x0 .. x3) at element e (a multiple of 4) of the hi plane (lo plane
-// `plane` elements later): split2 on each pair, one 8-byte store per plane.
+// `plane` elements later, also a multiple of 4): one 8-byte store per plane.
 MB_DEV void st_split4(__nv_bfloat16* base, int plane, int e, float x0, float x1, float x2, float x3) {
   uint2 hi, lo;
-  split2(x0, x1, hi.x, lo.x);
-  split2(x2, x3, hi.y, lo.y);
+  split2f(x0, x1, hi.x, lo.x);
+  split2f(x2, x3, hi.y, lo.y);
   *reinterpret_cast<uint2*>(base + e) = hi;
   *reinterpret_cast<uint2*>(base + plane + e) = lo;
 }
@@ -205,16 +241,17 @@ MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const
   const int N = a.N, half = a.half, A = a.A, lgR = a.lgR, Rm = a.R - 1, T = a.Tb, ldN = tt.ldN;
   const int CA = a.C * A, ang = L.ang;
   // Pointers at the chunk's first step (this CTA's batch and group); a task adds its step, rank
-  // and column offsets.
-  const int64_t ks1 = a.k.s[1], ks2 = a.k.s[2], ksn = a.k.s[4], kh = half * ksn;
-  const int64_t qs1 = a.q.s[1], qs2 = a.q.s[2], qsn = a.q.s[4], qh = half * qsn;
+  // and column offsets. LM > 0 implies unit column strides (constants: fewer live registers).
+  const int64_t ks1 = a.k.s[1], ks2 = a.k.s[2], ksn = LM > 0 ? 1 : a.k.s[4], kh = half * ksn;
+  const int64_t qs1 = a.q.s[1], qs2 = a.q.s[2], qsn = LM > 0 ? 1 : a.q.s[4], qh = half * qsn;
   const unsigned short* kc = reinterpret_cast<const unsigned short*>(a.k.p) +
                              (k.b * a.k.s[0] + s0 * ks1 + k.g * a.k.s[3]);
   const unsigned short* qc = reinterpret_cast<const unsigned short*>(a.q.p) +
                              (Q ? k.b * a.q.s[0] + s0 * qs1 + k.g * a.q.s[3] : 0);
   const float* kbias = sm + L.kb;
   const float* qbias = sm + L.qb;
-  auto task = [&](int i, int n) {
+  // koff / qoff: the task's element offsets from kc / qc.
+  auto task = [&](int i, int n, int64_t koff, int64_t qoff) {
     const int t = i >> lgR, r = i & Rm;
     // The angles first: without the table, sincosf's slow path then runs with few live values.
     float4 cs = make_float4(1.f, 1.f, 1.f, 1.f), sn = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -232,11 +269,11 @@ MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const
     }
     float4 k1 = make_float4(0.f, 0.f, 0.f, 0.f), k2 = k1, q1 = k1, q2 = k1;
     if (t < Lc) {
-      const unsigned short* kp = kc + (t * ks1 + r * ks2 + n * ksn);
+      const unsigned short* kp = kc + koff;
       const uint2 ka = ld_raw4<LM>(kp, ksn), kb = ld_raw4<LM>(kp + kh, ksn);
       uint2 qa = make_uint2(0u, 0u), qb = qa;
       if (Q) {
-        const unsigned short* qp = qc + (t * qs1 + r * qs2 + n * qsn);
+        const unsigned short* qp = qc + qoff;
         qa = ld_raw4<LM>(qp, qsn), qb = ld_raw4<LM>(qp + qh, qsn);
       }
       const float4 fa = bf4_f(ka), fb = bf4_f(kb);
@@ -265,14 +302,23 @@ MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const
                 q1.z * sn.z + q2.z * cs.z, q1.w * sn.w + q2.w * cs.w);
     }
   };
+  auto koff = [&](int i, int n) { return (i >> lgR) * ks1 + (i & Rm) * ks2 + n * ksn; };
+  auto qoff = [&](int i, int n) { return Q ? (i >> lgR) * qs1 + (i & Rm) * qs2 + n * qsn : 0; };
   const int qd = half >> 2;  // tasks per row
   if (NT % qd == 0) {  // each thread keeps its columns (qd is a power of two): no division
-    const int lg = mb_lg2(qd), n = (mb_tid() & (qd - 1)) << 2;
-    for (int i = mb_tid() >> lg; i < T; i += NT >> lg) task(i, n);
+    const int lg = mb_lg2(qd), n = (mb_tid() & (qd - 1)) << 2, step = NT >> lg;
+    const int i0 = mb_tid() >> lg;
+    if ((step & Rm) == 0) {  // and its rank: the offsets advance by step / R steps
+      const int64_t dk = (step >> lgR) * ks1, dq = (step >> lgR) * qs1;
+      int64_t ko = koff(i0, n), qo = qoff(i0, n);
+      for (int i = i0; i < T; i += step, ko += dk, qo += dq) task(i, n, ko, qo);
+    } else {
+      for (int i = i0; i < T; i += step) task(i, n, koff(i, n), qoff(i, n));
+    }
   } else {
     for (int u = mb_tid(); u < T * qd; u += NT) {
-      const int i = u / qd;
-      task(i, (u - i * qd) << 2);
+      const int i = u / qd, n = (u - i * qd) << 2;
+      task(i, n, koff(i, n), qoff(i, n));
     }
   }
 }
@@ -296,7 +342,8 @@ MB_DEV void lean_build_x_t(const MbArgs& a, const MbLayout& L, float* sm, const 
   const int ldP = tt.ldP, lg = a.lgP - 2;  // P / 4 tasks per step (P a power of two >= 16)
   const int p = (mb_tid() & ((P >> 2) - 1)) << 2;
   const bool hz = a.has_z, ro = a.reduce_o;
-  const int64_t vs1 = a.v.s[1], vsp = a.v.s[3];
+  // LM > 0 implies unit column strides.
+  const int64_t vs1 = a.v.s[1], vsp = LM > 0 ? 1 : a.v.s[3];
   const unsigned short* vc = reinterpret_cast<const unsigned short*>(a.v.p) +
                              (k.b * a.v.s[0] + s0 * vs1 + k.h * a.v.s[2] + p * vsp);
   int64_t zs1 = 0, zsp = 0, ds1 = 0, dsr = 0, dsp = 0;
@@ -304,17 +351,17 @@ MB_DEV void lean_build_x_t(const MbArgs& a, const MbLayout& L, float* sm, const 
   const unsigned short* dc = nullptr;
   if (X) {
     if (hz) {
-      zs1 = a.z.s[1], zsp = a.z.s[3];
+      zs1 = a.z.s[1], zsp = LM > 0 ? 1 : a.z.s[3];
       zc = reinterpret_cast<const unsigned short*>(a.z.p) +
            (k.b * a.z.s[0] + s0 * zs1 + k.h * a.z.s[2] + p * zsp);
     }
     const MbView& o = a.dout;
     ds1 = o.s[1];
     if (ro) {  // [B, S, H, P]
-      dsp = o.s[3];
+      dsp = LM > 0 ? 1 : o.s[3];
       dc = reinterpret_cast<const unsigned short*>(o.p) + (k.b * o.s[0] + s0 * ds1 + k.h * o.s[2] + p * dsp);
     } else {  // [B, S, R, H, P]
-      dsr = o.s[2], dsp = o.s[4];
+      dsr = o.s[2], dsp = LM > 0 ? 1 : o.s[4];
       dc = reinterpret_cast<const unsigned short*>(o.p) + (k.b * o.s[0] + s0 * ds1 + k.h * o.s[3] + p * dsp);
     }
   }
@@ -421,7 +468,7 @@ MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const Lea
           }
           v2[e] = val;
         }
-        st_split2(tt.Sc.h, tt.Sc.plane, i * ldT + jj, v2[0], v2[1]);
+        st_split2f(tt.Sc.h, tt.Sc.plane, i * ldT + jj, v2[0], v2[1]);
       }
     }
   }
@@ -658,7 +705,7 @@ MB_DEV void lean_state_out(const MbArgs& a, const LeanTiles& tt, const MbCta& k,
   with_dt(o.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
     lean_state_foreach<NT>(a, s, [&](int n, int p, float v0, float v1) {
-      st_split2(tt.St.h, tt.St.plane, n * ldP + p, v0, v1);
+      st_split2f(tt.St.h, tt.St.plane, n * ldP + p, v0, v1);
       const int64_t off = base + n * sn;
       if (v2) {
         st2_t<DT>(o.p, off + p, v0, v1);
@@ -715,10 +762,11 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
   const MbLayout& L = a.l3;
   const int64_t bid = mb_bid();
   const int seg = static_cast<int>(bid % a.nseg);
-  MbCta k;
-  k.bhi = static_cast<int>(bid / a.nseg);
-  k.b = k.bhi / a.H, k.h = k.bhi % a.H, k.g = k.h / a.HG;
-  k.p0 = 0, k.Pv = a.P;
+  MbCta k0;
+  k0.bhi = static_cast<int>(bid / a.nseg);
+  k0.b = k0.bhi / a.H, k0.h = k0.bhi % a.H, k0.g = k0.h / a.HG;
+  k0.p0 = 0, k0.Pv = a.P;
+  const MbCta& k = k0;
   const int Ppt = a.Ppt;
   const LeanTiles tt = lean_tiles(a, L, sm);
   // The epilogue's Kahan partials start from zero.
@@ -754,6 +802,8 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
   lean_state_out<NT>(a, tt, k, c0, st);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
+    MbCta k = k0;  // per chunk, opaque (see mb_opaque)
+    k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
     chunk_scalars(a, L, sm, k, c);
     lean_chunk_angles<NT>(a, L, sm, k, c);
