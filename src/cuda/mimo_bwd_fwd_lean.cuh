@@ -157,19 +157,6 @@ MB_DEV void with_ld(int lm, F&& f) {
   else f(std::integral_constant<int, 0>{});
 }
 
-MB_DEV float4 bf4_f(uint2 u) {
-  __nv_bfloat162 lo, hi;
-  *reinterpret_cast<uint32_t*>(&lo) = u.x;
-  *reinterpret_cast<uint32_t*>(&hi) = u.y;
-  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-
-// Element e of a staged bf16 row region.
-MB_DEV float st_bf(const float* region, int e) {
-  return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(region)[e]);
-}
-
 MB_DEV float mb_u2f(uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);
@@ -178,6 +165,17 @@ MB_DEV float mb_u2f(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 #endif
+}
+
+// Four raw bf16 as fp32 (exact): a shift or a mask each, not the compiler's byte permutes.
+MB_DEV float4 bf4_f(uint2 u) {
+  return make_float4(mb_u2f(u.x << 16), mb_u2f(u.x & 0xffff0000u), mb_u2f(u.y << 16),
+                     mb_u2f(u.y & 0xffff0000u));
+}
+
+// Element e of a staged bf16 row region.
+MB_DEV float st_bf(const float* region, int e) {
+  return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(region)[e]);
 }
 
 // split2 (same values) with the bf16 -> fp32 widening of the hi pair as bit operations (a shift
@@ -234,7 +232,7 @@ MB_DEV void lean_chunk_angles(const MbArgs& a, const MbLayout& L, float* sm, con
 // Qh (if Q) and Kh of chunk c: biased, rotated, split. One task = four adjacent columns
 // n .. n + 3 of one row i = t R + r and their rotation partners n + N/2 ..; A is a multiple of
 // 4, so a task's columns rotate together. Loads of four elements as LM (a.lean_ld).
-template <int NT, bool Q, int LM>
+template <int NT, bool K, bool Q, int LM>
 MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                             const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
@@ -261,26 +259,36 @@ MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const
         cs = *reinterpret_cast<const float4*>(sm + ang + e);
         sn = *reinterpret_cast<const float4*>(sm + ang + CA + e);
       } else if (t < Lc) {
-        sincosf(ld4(a.angles, k.b, s0 + t, k.h, n), &sn.x, &cs.x);
-        sincosf(ld4(a.angles, k.b, s0 + t, k.h, n + 1), &sn.y, &cs.y);
-        sincosf(ld4(a.angles, k.b, s0 + t, k.h, n + 2), &sn.z, &cs.z);
-        sincosf(ld4(a.angles, k.b, s0 + t, k.h, n + 3), &sn.w, &cs.w);
+        // One rolled sincosf (its slow path needs many registers; four inlined copies spilled
+        // with the 8-tile states).
+#pragma unroll 1
+        for (int j = 0; j < 4; ++j) {
+          float sv, cv;
+          sincosf(ld4(a.angles, k.b, s0 + t, k.h, n + j), &sv, &cv);
+          if (j == 0) cs.x = cv, sn.x = sv;
+          else if (j == 1) cs.y = cv, sn.y = sv;
+          else if (j == 2) cs.z = cv, sn.z = sv;
+          else cs.w = cv, sn.w = sv;
+        }
       }
     }
     float4 k1 = make_float4(0.f, 0.f, 0.f, 0.f), k2 = k1, q1 = k1, q2 = k1;
     if (t < Lc) {
       const unsigned short* kp = kc + koff;
-      const uint2 ka = ld_raw4<LM>(kp, ksn), kb = ld_raw4<LM>(kp + kh, ksn);
+      uint2 ka = make_uint2(0u, 0u), kb = ka;
+      if (K) ka = ld_raw4<LM>(kp, ksn), kb = ld_raw4<LM>(kp + kh, ksn);
       uint2 qa = make_uint2(0u, 0u), qb = qa;
       if (Q) {
         const unsigned short* qp = qc + qoff;
         qa = ld_raw4<LM>(qp, qsn), qb = ld_raw4<LM>(qp + qh, qsn);
       }
-      const float4 fa = bf4_f(ka), fb = bf4_f(kb);
-      const float4 ba = *reinterpret_cast<const float4*>(kbias + r * N + n);
-      const float4 bb = *reinterpret_cast<const float4*>(kbias + r * N + n + half);
-      k1 = make_float4(fa.x + ba.x, fa.y + ba.y, fa.z + ba.z, fa.w + ba.w);
-      k2 = make_float4(fb.x + bb.x, fb.y + bb.y, fb.z + bb.z, fb.w + bb.w);
+      if (K) {
+        const float4 fa = bf4_f(ka), fb = bf4_f(kb);
+        const float4 ba = *reinterpret_cast<const float4*>(kbias + r * N + n);
+        const float4 bb = *reinterpret_cast<const float4*>(kbias + r * N + n + half);
+        k1 = make_float4(fa.x + ba.x, fa.y + ba.y, fa.z + ba.z, fa.w + ba.w);
+        k2 = make_float4(fb.x + bb.x, fb.y + bb.y, fb.z + bb.z, fb.w + bb.w);
+      }
       if (Q) {
         const float4 ga = bf4_f(qa), gb = bf4_f(qb);
         const float4 ca = *reinterpret_cast<const float4*>(qbias + r * N + n);
@@ -291,10 +299,12 @@ MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const
     }
     // (a, b) -> (a cos - b sin, a sin + b cos) on the pairs (n, n + N/2).
     const int e1 = i * ldN + n, e2 = e1 + half;
-    st_split4(tt.Kh.h, tt.Kh.plane, e1, k1.x * cs.x - k2.x * sn.x, k1.y * cs.y - k2.y * sn.y,
-              k1.z * cs.z - k2.z * sn.z, k1.w * cs.w - k2.w * sn.w);
-    st_split4(tt.Kh.h, tt.Kh.plane, e2, k1.x * sn.x + k2.x * cs.x, k1.y * sn.y + k2.y * cs.y,
-              k1.z * sn.z + k2.z * cs.z, k1.w * sn.w + k2.w * cs.w);
+    if (K) {
+      st_split4(tt.Kh.h, tt.Kh.plane, e1, k1.x * cs.x - k2.x * sn.x, k1.y * cs.y - k2.y * sn.y,
+                k1.z * cs.z - k2.z * sn.z, k1.w * cs.w - k2.w * sn.w);
+      st_split4(tt.Kh.h, tt.Kh.plane, e2, k1.x * sn.x + k2.x * cs.x, k1.y * sn.y + k2.y * cs.y,
+                k1.z * sn.z + k2.z * cs.z, k1.w * sn.w + k2.w * cs.w);
+    }
     if (Q) {
       st_split4(tt.Qh.h, tt.Qh.plane, e1, q1.x * cs.x - q2.x * sn.x, q1.y * cs.y - q2.y * sn.y,
                 q1.z * cs.z - q2.z * sn.z, q1.w * cs.w - q2.w * sn.w);
@@ -323,11 +333,18 @@ MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const
   }
 }
 
-template <int NT, bool Q>
+// SPLIT: Kh and Qh in two passes (fewer live registers: the 8-tile states).
+template <int NT, bool Q, bool SPLIT = false>
 MB_DEV void lean_build_qk(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                           const MbCta& k, int c) {
   with_ld(a.lean_ld, [&](auto M) {
-    lean_build_qk_t<NT, Q, decltype(M)::value>(a, L, sm, tt, k, c);
+    constexpr int LM = decltype(M)::value;
+    if constexpr (Q && SPLIT) {
+      lean_build_qk_t<NT, true, false, LM>(a, L, sm, tt, k, c);
+      lean_build_qk_t<NT, false, true, LM>(a, L, sm, tt, k, c);
+    } else {
+      lean_build_qk_t<NT, true, Q, LM>(a, L, sm, tt, k, c);
+    }
   });
 }
 
@@ -810,7 +827,7 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
     mb_sync();
     lean_chunk_weights<NT>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
-    lean_build_qk<NT, true>(a, L, sm, tt, k, c);
+    lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
     lean_build_x<NT, true>(a, L, sm, tt, k, c);
     mb_sync();
     lean_scores<NT>(a, L, sm, tt, k, c, Dv);
