@@ -742,10 +742,11 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   const MbLayout& L = a.l1;
   const int64_t bid = mb_bid();
   const int sub = static_cast<int>(bid % a.nsub);
-  MbCta k;
-  k.bhi = static_cast<int>(bid / a.nsub);
-  k.b = k.bhi / a.H, k.h = k.bhi % a.H, k.g = k.h / a.HG;
-  k.p0 = 0, k.Pv = a.P;
+  MbCta k0;
+  k0.bhi = static_cast<int>(bid / a.nsub);
+  k0.b = k0.bhi / a.H, k0.h = k0.bhi % a.H, k0.g = k0.h / a.HG;
+  k0.p0 = 0, k0.Pv = a.P;
+  const MbCta& k = k0;
   const LeanTiles tt = lean_tiles(a, L, sm);
   load_consts<NT>(a, L, sm, k, false, false, a.Ppt);
   LeanState<ST> st;
@@ -754,6 +755,8 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   float dec = 0.f;
   const int c0 = sub * a.L1, c1 = c0 + a.L1;  // sub-segments never reach the last chunk
   for (int c = c0; c < c1; ++c) {
+    MbCta k = k0;  // per chunk, opaque (see mb_opaque)
+    k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
     chunk_scalars(a, L, sm, k, c);
     lean_chunk_angles<NT>(a, L, sm, k, c);
