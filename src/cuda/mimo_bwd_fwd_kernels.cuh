@@ -148,9 +148,11 @@ struct MbArgs {
   int reduce_o, has_z, has_d, has_norm;
   int act_dt;  // dtype code shared by q, k, v, z, dout; -1 when they differ
   int states_vec4;  // states rows take aligned 4-element stores (see write_state)
-  int lean_vec;     // the lean path's bf16 inputs take 4-byte pair loads (see ld_raw2s)
+  int lean_vec;     // the lean path's bf16 inputs take 4-byte pair loads
+  int lean_ld;      // the lean path's loads of 4 bf16: 2 one 8-byte, 1 two 4-byte, 0 four 2-byte
   int scal_f32;  // da_cs, da_cs_rev, dt and trap are all float32 (typed loads)
   int lgR;  // log2(R) when R is a power of two (the lean path), else -1
+  int lgP;  // log2(P) when P is a power of two (the lean path), else -1
   float eps;
   // K3 tiles: Cb steps per block (nb blocks per chunk), Tb = Cb R rows, LT = row stride of the
   // transposed tiles; K1 tiles likewise; K5 rows per block.
@@ -1368,6 +1370,7 @@ struct MbProblem {
   int act_dt;  // the dtype code shared by q, k, v (and z, dout), or -1
   bool lean_io;   // bf16 q, k, v, z, dout (the lean path)
   bool lean_vec;  // ... with unit last strides, even strides, 4-byte aligned bases (pair loads)
+  bool lean_vec4 = false;  // ... strides multiples of 4, 8-byte aligned bases (4-element loads)
 };
 
 struct MbPlan {
@@ -1564,10 +1567,14 @@ inline void apply_plan(const MbProblem& pr, const MbPlan& pl, void* ws, MbArgs* 
   a->reduce_o = pr.reduce_o, a->has_z = pr.has_z, a->has_d = pr.has_d, a->has_norm = pr.has_norm;
   a->act_dt = pr.act_dt;
   a->lean_vec = pr.lean_vec;
+  a->lean_ld = pr.lean_vec4 ? 2 : pr.lean_vec ? 1 : 0;
   a->scal_f32 = a->da_cs.dt == 2 && a->da_cs_rev.dt == 2 && a->dt.dt == 2 && a->trap.dt == 2;
   a->lgR = -1;
   for (int l = 0; l < 4; ++l)
     if ((1 << l) == a->R) a->lgR = l;
+  a->lgP = -1;
+  for (int l = 0; l < 31; ++l)
+    if ((1 << l) == a->P) a->lgP = l;
   {
     // Vector stores of the states: unit column stride, every other stride and the P tile
     // start a multiple of 4 elements, a 16-byte aligned base.
@@ -1616,17 +1623,22 @@ inline MbProblem mb_problem(const MimoBwdFwdParams& p) {
   const bool same = p.k.dtype == d0 && p.v.dtype == d0 && p.dout.dtype == d0 &&
                     (!p.has_z || p.z.dtype == d0);
   pr.act_dt = same ? static_cast<int>(d0) : -1;
-  auto pairs = [](const TensorView& t, int ndim) {  // bf16 pairs along the last dim
-    if (t.strides[ndim - 1] != 1 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
+  // Runs of w bf16 elements along the last dim (w = 2: pairs, 4: quads) take one load each.
+  auto runs = [](const TensorView& t, int ndim, int w) {
+    if (t.strides[ndim - 1] != 1 || reinterpret_cast<uintptr_t>(t.data) % (2 * w) != 0) return false;
     for (int d = 0; d + 1 < ndim; ++d)
-      if (t.strides[d] % 2 != 0) return false;
+      if (t.strides[d] % w != 0) return false;
     return true;
   };
+  auto pairs = [&](const TensorView& t, int ndim) { return runs(t, ndim, 2); };
+  auto quads = [&](const TensorView& t, int ndim) { return runs(t, ndim, 4); };
   // Any layout runs the lean path (same arithmetic, so the same bits); lean_vec picks its
   // 4-byte loads.
   pr.lean_io = pr.act_dt == static_cast<int>(DType::BF16);
   pr.lean_vec = pairs(p.q, 5) && pairs(p.k, 5) && pairs(p.v, 4) && pairs(p.dout, p.dout.ndim) &&
                 (!p.has_z || pairs(p.z, 4));
+  pr.lean_vec4 = quads(p.q, 5) && quads(p.k, 5) && quads(p.v, 4) && quads(p.dout, p.dout.ndim) &&
+                 (!p.has_z || quads(p.z, 4));
   return pr;
 }
 

@@ -22,6 +22,9 @@
 // Scores = Qh Kh^T; Y = diag(exp(da_cs)) Qh St + Sc X; St' = e St + Kh^T Xw.
 #pragma once
 
+#include <cstring>
+#include <type_traits>
+
 #include "cuda/bf16_split_mma.cuh"
 #include "cuda/mimo_bwd_fwd_kernels.cuh"
 
@@ -57,32 +60,117 @@ MB_DEV LeanTiles lean_tiles(const MbArgs& a, const MbLayout& L, float* sm) {
   return t;
 }
 
-// ------------------------------------------------------------------ tile builders
+// ------------------------------------------------------------------ helpers
 
-// Elements off and off + st of a bf16 tensor: one 4-byte load when the layout allows
-// (a.lean_vec: unit last strides, even strides, aligned bases), else two 2-byte loads. Both give
-// the same values, so the results do not depend on the layout (bitwise).
-MB_DEV uint32_t ld_raw2s(const MbView& v, int64_t off, int64_t st, bool vec) {
-  if (vec) {
+// Every loop below reads the MbArgs fields it needs into locals first, dispatches the dtype and
+// the load layout once per loop (not per element), and indexes with shifts: the lean plan
+// guarantees power-of-two C, R, P and T = C R (make_mimo_plan), and A a multiple of 4
+// (rotary_dim_divisor 2 or 4, N a multiple of 16). The per-element versions of these loops
+// (64-bit offsets from four or five runtime strides, a runtime layout branch per load, a dtype
+// switch per store, divisions by runtime sizes) made the chunk pass instruction-bound.
+
+// x, opaque to the compiler: offsets derived from it are recomputed where they are used (once
+// per chunk) instead of being hoisted out of the chunk loop, where they would hold registers
+// for the whole loop (the 8-tile states have few to spare). Nothing on the host.
+MB_DEV int mb_opaque(int x) {
 #if defined(__CUDA_ARCH__)
-    return __ldg(reinterpret_cast<const unsigned int*>(reinterpret_cast<const __nv_bfloat16*>(v.p) + off));
-#else
-    return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const __nv_bfloat16*>(v.p) + off);
+  asm volatile("" : "+r"(x));
 #endif
-  }
-  const unsigned short* e = reinterpret_cast<const unsigned short*>(v.p);
+  return x;
+}
+
+// log2 of a power of two.
+MB_DEV int mb_lg2(int x) {
 #if defined(__CUDA_ARCH__)
-  return static_cast<uint32_t>(__ldg(e + off)) | (static_cast<uint32_t>(__ldg(e + off + st)) << 16);
+  return __ffs(x) - 1;
 #else
-  return static_cast<uint32_t>(e[off]) | (static_cast<uint32_t>(e[off + st]) << 16);
+  return __builtin_ctz(static_cast<unsigned>(x));
 #endif
 }
 
-MB_DEV float2 ld_bf2s(const MbView& v, int64_t off, int64_t st, bool vec) {
-  const uint32_t u = ld_raw2s(v, off, st, vec);
-  __nv_bfloat162 b;
-  *reinterpret_cast<uint32_t*>(&b) = u;
-  return __bfloat1622float2(b);
+template <class T>
+MB_DEV T mb_ldg(const T* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+// Calls f(std::integral_constant<int, DT>) for the dtype code dt (0 f16, 1 bf16, 2 f32).
+template <class F>
+MB_DEV void with_dt(int dt, F&& f) {
+  if (dt == 2) f(std::integral_constant<int, 2>{});
+  else if (dt == 1) f(std::integral_constant<int, 1>{});
+  else f(std::integral_constant<int, 0>{});
+}
+
+// Element off of a tensor of dtype DT := v (rounded to nearest), as rt_st.
+template <int DT>
+MB_DEV void st_t(unsigned char* p, int64_t off, float v) {
+  if constexpr (DT == 2) {
+    reinterpret_cast<float*>(p)[off] = v;
+  } else if constexpr (DT == 1) {
+    reinterpret_cast<unsigned short*>(p)[off] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  } else {
+    reinterpret_cast<unsigned short*>(p)[off] = __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+// Elements off, off + 1 := v0, v1 in one store (off even, base aligned to the pair).
+template <int DT>
+MB_DEV void st2_t(unsigned char* p, int64_t off, float v0, float v1) {
+  if constexpr (DT == 2) {
+    *reinterpret_cast<float2*>(reinterpret_cast<float*>(p) + off) = make_float2(v0, v1);
+  } else if constexpr (DT == 1) {
+    *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(p) + off) =
+        __floats2bfloat162_rn(v0, v1);
+  } else {
+    *reinterpret_cast<__half2*>(reinterpret_cast<__half*>(p) + off) = __floats2half2_rn(v0, v1);
+  }
+}
+
+// Four bf16 elements (stride st apart) as raw bits: LM 2 one 8-byte load (a.lean_ld 2: unit last
+// strides, other strides multiples of 4, 8-byte aligned bases), LM 1 two 4-byte loads (pairs),
+// LM 0 four 2-byte loads. All give the same values, so the results do not depend on the layout
+// (bitwise).
+template <int LM>
+MB_DEV uint2 ld_raw4(const unsigned short* e, int64_t st) {
+  uint2 u;
+  if constexpr (LM == 2) {
+    u = mb_ldg(reinterpret_cast<const uint2*>(e));
+  } else if constexpr (LM == 1) {
+    u.x = mb_ldg(reinterpret_cast<const unsigned int*>(e));
+    u.y = mb_ldg(reinterpret_cast<const unsigned int*>(e + 2));
+  } else {
+    u.x = static_cast<uint32_t>(mb_ldg(e)) | (static_cast<uint32_t>(mb_ldg(e + st)) << 16);
+    u.y = static_cast<uint32_t>(mb_ldg(e + 2 * st)) | (static_cast<uint32_t>(mb_ldg(e + 3 * st)) << 16);
+  }
+  return u;
+}
+
+// Calls f(std::integral_constant<int, LM>) for the load layout a.lean_ld.
+template <class F>
+MB_DEV void with_ld(int lm, F&& f) {
+  if (lm == 2) f(std::integral_constant<int, 2>{});
+  else if (lm == 1) f(std::integral_constant<int, 1>{});
+  else f(std::integral_constant<int, 0>{});
+}
+
+MB_DEV float mb_u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// Four raw bf16 as fp32 (exact): a shift or a mask each, not the compiler's byte permutes.
+MB_DEV float4 bf4_f(uint2 u) {
+  return make_float4(mb_u2f(u.x << 16), mb_u2f(u.x & 0xffff0000u), mb_u2f(u.y << 16),
+                     mb_u2f(u.y & 0xffff0000u));
 }
 
 // Element e of a staged bf16 row region.
@@ -90,140 +178,266 @@ MB_DEV float st_bf(const float* region, int e) {
   return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(region)[e]);
 }
 
+// split2 (same values) with the bf16 -> fp32 widening of the hi pair as bit operations (a shift
+// and a mask): through __bfloat1622float2 the compiler spends two extra byte permutes per pair.
+MB_DEV void split2f(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = bf2_bits(__floats2bfloat162_rn(x0, x1));
+  lo = bf2_bits(__floats2bfloat162_rn(x0 - mb_u2f(hi << 16), x1 - mb_u2f(hi & 0xffff0000u)));
+}
+
+// st_split2 with split2f.
+MB_DEV void st_split2f(__nv_bfloat16* base, int plane, int e, float x0, float x1) {
+  uint32_t hi, lo;
+  split2f(x0, x1, hi, lo);
+  *reinterpret_cast<uint32_t*>(base + e) = hi;
+  *reinterpret_cast<uint32_t*>(base + plane + e) = lo;
+}
+
+// Stores the split quad (x0 .. x3) at element e (a multiple of 4) of the hi plane (lo plane
+// `plane` elements later, also a multiple of 4): one 8-byte store per plane.
+MB_DEV void st_split4(__nv_bfloat16* base, int plane, int e, float x0, float x1, float x2, float x3) {
+  uint2 hi, lo;
+  split2f(x0, x1, hi.x, lo.x);
+  split2f(x2, x3, hi.y, lo.y);
+  *reinterpret_cast<uint2*>(base + e) = hi;
+  *reinterpret_cast<uint2*>(base + plane + e) = lo;
+}
+
+// ------------------------------------------------------------------ tile builders
 
 // cos / sin of chunk c's angles into the table ang[2][C][A] (rows past the sequence: 1 / 0).
 // Once per chunk and step, not once per rank and tile row.
 template <int NT>
 MB_DEV void lean_chunk_angles(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
-  if (L.ang < 0) return;  // no room for the table: lean_qk_task computes them itself
+  if (L.ang < 0) return;  // no room for the table: lean_build_qk computes them itself
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), A = a.A, CA = a.C * A;
-  for (int e = mb_tid(); e < CA; e += NT) {
-    const int t = e / A, n = e - t * A;
-    float sn = 0.f, cs = 1.f;
-    if (t < Lc) sincosf(ld4(a.angles, k.b, s0 + t, k.h, n), &sn, &cs);
-    sm[L.ang + e] = cs;
-    sm[L.ang + CA + e] = sn;
-  }
+  const bool pow2 = (A & (A - 1)) == 0;
+  const int lgA = pow2 ? mb_lg2(A) : 0;
+  const MbView& v = a.angles;
+  const int64_t s1 = v.s[1], s3 = v.s[3];
+  const int64_t base = k.b * v.s[0] + static_cast<int64_t>(s0) * s1 + k.h * v.s[2];
+  float* cst = sm + L.ang;
+  with_dt(v.dt, [&](auto D) {
+    constexpr int DT = decltype(D)::value;
+    for (int e = mb_tid(); e < CA; e += NT) {
+      const int t = pow2 ? e >> lgA : e / A, n = e - t * A;
+      float sn = 0.f, cs = 1.f;
+      if (t < Lc) sincosf(mb_ldt<DT>(v.p, base + t * s1 + n * s3, v.dt), &sn, &cs);
+      cst[e] = cs;
+      cst[CA + e] = sn;
+    }
+  });
 }
 
-// Qh (if want_q) and Kh of chunk c: biased, rotated, split. One task = two adjacent columns
-// (n, n+1) and their rotation partners (n + N/2, n + N/2 + 1) of one row i = t R + r. Needs the
-// angle table.
-MB_DEV void lean_qk_task(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
-                         const MbCta& k, int s0, int Lc, int i, int n, bool want_q) {
-  const int R = a.R, half = a.half, N = a.N;
-  const int t = i >> a.lgR, r = i & (R - 1);
-  float q1x = 0.f, q1y = 0.f, q2x = 0.f, q2y = 0.f, k1x = 0.f, k1y = 0.f, k2x = 0.f, k2y = 0.f;
-  if (t < Lc) {
-    const int64_t gi = s0 + t;
-    const bool vec = a.lean_vec;
-    const int64_t sk = a.k.s[4], sq = a.q.s[4];
-    const int64_t ok = k.b * a.k.s[0] + gi * a.k.s[1] + r * a.k.s[2] + k.g * a.k.s[3] + n * sk;
-    const float2 ka = ld_bf2s(a.k, ok, sk, vec), kb = ld_bf2s(a.k, ok + half * sk, sk, vec);
-    float2 qa = make_float2(0.f, 0.f), qb = qa;
-    if (want_q) {
-      const int64_t oq = k.b * a.q.s[0] + gi * a.q.s[1] + r * a.q.s[2] + k.g * a.q.s[3] + n * sq;
-      qa = ld_bf2s(a.q, oq, sq, vec), qb = ld_bf2s(a.q, oq + half * sq, sq, vec);
-    }
-    const float* kbias = sm + L.kb + r * N;
-    k1x = ka.x + kbias[n], k1y = ka.y + kbias[n + 1];
-    k2x = kb.x + kbias[n + half], k2y = kb.y + kbias[n + half + 1];
-    if (want_q) {
-      const float* qbias = sm + L.qb + r * N;
-      q1x = qa.x + qbias[n], q1y = qa.y + qbias[n + 1];
-      q2x = qb.x + qbias[n + half], q2y = qb.y + qbias[n + half + 1];
-    }
-  }
-  float cs0 = 1.f, sn0 = 0.f, cs1 = 1.f, sn1 = 0.f;
-  if (n < a.A) {  // A is a multiple of 4: n and n + 1 rotate together
-    if (L.ang >= 0) {
-      const int CA = a.C * a.A, e = t * a.A + n;
-      cs0 = sm[L.ang + e], cs1 = sm[L.ang + e + 1];
-      sn0 = sm[L.ang + CA + e], sn1 = sm[L.ang + CA + e + 1];
-    } else if (t < Lc) {
-      sincosf(ld4(a.angles, k.b, s0 + t, k.h, n), &sn0, &cs0);
-      sincosf(ld4(a.angles, k.b, s0 + t, k.h, n + 1), &sn1, &cs1);
-    }
-  }
-  // (a, b) -> (a cos - b sin, a sin + b cos) on the pairs (n, n + N/2).
-  const int e1 = i * tt.ldN + n, e2 = e1 + half;
-  st_split2(tt.Kh.h, tt.Kh.plane, e1, k1x * cs0 - k2x * sn0, k1y * cs1 - k2y * sn1);
-  st_split2(tt.Kh.h, tt.Kh.plane, e2, k1x * sn0 + k2x * cs0, k1y * sn1 + k2y * cs1);
-  if (want_q) {
-    st_split2(tt.Qh.h, tt.Qh.plane, e1, q1x * cs0 - q2x * sn0, q1y * cs1 - q2y * sn1);
-    st_split2(tt.Qh.h, tt.Qh.plane, e2, q1x * sn0 + q2x * cs0, q1y * sn1 + q2y * cs1);
-  }
-}
-
-template <int NT>
-MB_DEV void lean_build_qk(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
-                          const MbCta& k, int c, bool want_q) {
+// Qh (if Q) and Kh of chunk c: biased, rotated, split. One task = four adjacent columns
+// n .. n + 3 of one row i = t R + r and their rotation partners n + N/2 ..; A is a multiple of
+// 4, so a task's columns rotate together. Loads of four elements as LM (a.lean_ld).
+template <int NT, bool K, bool Q, int LM>
+MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+                            const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
-  const int hp = a.half / 2, T = a.Tb;
-  if (NT % hp == 0) {  // each thread keeps its column pair: no division per task
-    const int n = 2 * (mb_tid() % hp), step = NT / hp;
-    for (int i = mb_tid() / hp; i < T; i += step) lean_qk_task(a, L, sm, tt, k, s0, Lc, i, n, want_q);
-  } else {
-    for (int u = mb_tid(); u < T * hp; u += NT)
-      lean_qk_task(a, L, sm, tt, k, s0, Lc, u / hp, 2 * (u % hp), want_q);
-  }
-}
-
-// X = v * mimo_v (if want_x) and Xw = X * w (state-update weight) of chunk c, split.
-MB_DEV void lean_x_task(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
-                        const MbCta& k, int s0, int Lc, int t, int p, bool want_x) {
-  const int R = a.R;
-  float2 vv = make_float2(0.f, 0.f);
-  const int64_t gi = s0 + t;
-  const bool vec = a.lean_vec;
-  if (t < Lc)
-    vv = ld_bf2s(a.v, k.b * a.v.s[0] + gi * a.v.s[1] + k.h * a.v.s[2] + p * a.v.s[3], a.v.s[3], vec);
-  if (want_x) {
-    // Stage the epilogue's z and dout rows (fp32) now: their loads overlap the tile loads
-    // instead of stalling the epilogue.
-    // Raw bf16 pairs (exact), two per float of shared memory.
-    uint32_t* zs = reinterpret_cast<uint32_t*>(sm + L.zs);
-    uint32_t* ds = reinterpret_cast<uint32_t*>(sm + L.ds);
-    const int pw = p / 2, P2 = a.P / 2;
-    zs[t * P2 + pw] = a.has_z && t < Lc
-                          ? ld_raw2s(a.z, k.b * a.z.s[0] + gi * a.z.s[1] + k.h * a.z.s[2] + p * a.z.s[3],
-                                     a.z.s[3], vec)
-                          : 0u;
-    if (a.reduce_o) {
-      ds[t * P2 + pw] =
-          t < Lc ? ld_raw2s(a.dout, k.b * a.dout.s[0] + gi * a.dout.s[1] + k.h * a.dout.s[2] +
-                                        p * a.dout.s[3], a.dout.s[3], vec)
-                 : 0u;
+  const int N = a.N, half = a.half, A = a.A, lgR = a.lgR, Rm = a.R - 1, T = a.Tb, ldN = tt.ldN;
+  const int CA = a.C * A, ang = L.ang;
+  // Pointers at the chunk's first step (this CTA's batch and group); a task adds its step, rank
+  // and column offsets. LM > 0 implies unit column strides (constants: fewer live registers).
+  const int64_t ks1 = a.k.s[1], ks2 = a.k.s[2], ksn = LM > 0 ? 1 : a.k.s[4], kh = half * ksn;
+  const int64_t qs1 = a.q.s[1], qs2 = a.q.s[2], qsn = LM > 0 ? 1 : a.q.s[4], qh = half * qsn;
+  const unsigned short* kc = reinterpret_cast<const unsigned short*>(a.k.p) +
+                             (k.b * a.k.s[0] + s0 * ks1 + k.g * a.k.s[3]);
+  const unsigned short* qc = reinterpret_cast<const unsigned short*>(a.q.p) +
+                             (Q ? k.b * a.q.s[0] + s0 * qs1 + k.g * a.q.s[3] : 0);
+  const float* kbias = sm + L.kb;
+  const float* qbias = sm + L.qb;
+  // koff / qoff: the task's element offsets from kc / qc.
+  auto task = [&](int i, int n, int64_t koff, int64_t qoff) {
+    const int t = i >> lgR, r = i & Rm;
+    // The angles first: without the table, sincosf's slow path then runs with few live values.
+    float4 cs = make_float4(1.f, 1.f, 1.f, 1.f), sn = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (n < A) {
+      if (ang >= 0) {
+        const int e = t * A + n;
+        cs = *reinterpret_cast<const float4*>(sm + ang + e);
+        sn = *reinterpret_cast<const float4*>(sm + ang + CA + e);
+      } else if (t < Lc) {
+        // One rolled sincosf (its slow path needs many registers; four inlined copies spilled
+        // with the 8-tile states).
+#pragma unroll 1
+        for (int j = 0; j < 4; ++j) {
+          float sv, cv;
+          sincosf(ld4(a.angles, k.b, s0 + t, k.h, n + j), &sv, &cv);
+          if (j == 0) cs.x = cv, sn.x = sv;
+          else if (j == 1) cs.y = cv, sn.y = sv;
+          else if (j == 2) cs.z = cv, sn.z = sv;
+          else cs.w = cv, sn.w = sv;
+        }
+      }
+    }
+    float4 k1 = make_float4(0.f, 0.f, 0.f, 0.f), k2 = k1, q1 = k1, q2 = k1;
+    if (t < Lc) {
+      const unsigned short* kp = kc + koff;
+      uint2 ka = make_uint2(0u, 0u), kb = ka;
+      if (K) ka = ld_raw4<LM>(kp, ksn), kb = ld_raw4<LM>(kp + kh, ksn);
+      uint2 qa = make_uint2(0u, 0u), qb = qa;
+      if (Q) {
+        const unsigned short* qp = qc + qoff;
+        qa = ld_raw4<LM>(qp, qsn), qb = ld_raw4<LM>(qp + qh, qsn);
+      }
+      if (K) {
+        const float4 fa = bf4_f(ka), fb = bf4_f(kb);
+        const float4 ba = *reinterpret_cast<const float4*>(kbias + r * N + n);
+        const float4 bb = *reinterpret_cast<const float4*>(kbias + r * N + n + half);
+        k1 = make_float4(fa.x + ba.x, fa.y + ba.y, fa.z + ba.z, fa.w + ba.w);
+        k2 = make_float4(fb.x + bb.x, fb.y + bb.y, fb.z + bb.z, fb.w + bb.w);
+      }
+      if (Q) {
+        const float4 ga = bf4_f(qa), gb = bf4_f(qb);
+        const float4 ca = *reinterpret_cast<const float4*>(qbias + r * N + n);
+        const float4 cb = *reinterpret_cast<const float4*>(qbias + r * N + n + half);
+        q1 = make_float4(ga.x + ca.x, ga.y + ca.y, ga.z + ca.z, ga.w + ca.w);
+        q2 = make_float4(gb.x + cb.x, gb.y + cb.y, gb.z + cb.z, gb.w + cb.w);
+      }
+    }
+    // (a, b) -> (a cos - b sin, a sin + b cos) on the pairs (n, n + N/2).
+    const int e1 = i * ldN + n, e2 = e1 + half;
+    if (K) {
+      st_split4(tt.Kh.h, tt.Kh.plane, e1, k1.x * cs.x - k2.x * sn.x, k1.y * cs.y - k2.y * sn.y,
+                k1.z * cs.z - k2.z * sn.z, k1.w * cs.w - k2.w * sn.w);
+      st_split4(tt.Kh.h, tt.Kh.plane, e2, k1.x * sn.x + k2.x * cs.x, k1.y * sn.y + k2.y * cs.y,
+                k1.z * sn.z + k2.z * cs.z, k1.w * sn.w + k2.w * cs.w);
+    }
+    if (Q) {
+      st_split4(tt.Qh.h, tt.Qh.plane, e1, q1.x * cs.x - q2.x * sn.x, q1.y * cs.y - q2.y * sn.y,
+                q1.z * cs.z - q2.z * sn.z, q1.w * cs.w - q2.w * sn.w);
+      st_split4(tt.Qh.h, tt.Qh.plane, e2, q1.x * sn.x + q2.x * cs.x, q1.y * sn.y + q2.y * cs.y,
+                q1.z * sn.z + q2.z * cs.z, q1.w * sn.w + q2.w * cs.w);
+    }
+  };
+  auto koff = [&](int i, int n) { return (i >> lgR) * ks1 + (i & Rm) * ks2 + n * ksn; };
+  auto qoff = [&](int i, int n) { return Q ? (i >> lgR) * qs1 + (i & Rm) * qs2 + n * qsn : 0; };
+  const int qd = half >> 2;  // tasks per row
+  if (NT % qd == 0) {  // each thread keeps its columns (qd is a power of two): no division
+    const int lg = mb_lg2(qd), n = (mb_tid() & (qd - 1)) << 2, step = NT >> lg;
+    const int i0 = mb_tid() >> lg;
+    if ((step & Rm) == 0) {  // and its rank: the offsets advance by step / R steps
+      const int64_t dk = (step >> lgR) * ks1, dq = (step >> lgR) * qs1;
+      int64_t ko = koff(i0, n), qo = qoff(i0, n);
+      for (int i = i0; i < T; i += step, ko += dk, qo += dq) task(i, n, ko, qo);
     } else {
-      for (int r = 0; r < R; ++r)
-        ds[(t * R + r) * P2 + pw] =
-            t < Lc ? ld_raw2s(a.dout, k.b * a.dout.s[0] + gi * a.dout.s[1] + r * a.dout.s[2] +
-                                          k.h * a.dout.s[3] + p * a.dout.s[4], a.dout.s[4], vec)
-                   : 0u;
+      for (int i = i0; i < T; i += step) task(i, n, koff(i, n), qoff(i, n));
     }
-  }
-  const float w = sm[L.wk + t];
-  for (int r = 0; r < R; ++r) {
-    const float* mv = sm + L.mv + r * a.Ppt + p;
-    const float x0 = vv.x * mv[0], x1 = vv.y * mv[1];
-    const int e = (t * R + r) * tt.ldP + p;
-    if (want_x) st_split2(tt.X.h, tt.X.plane, e, x0, x1);
-    st_split2(tt.Xw.h, tt.Xw.plane, e, x0 * w, x1 * w);
+  } else {
+    for (int u = mb_tid(); u < T * qd; u += NT) {
+      const int i = u / qd, n = (u - i * qd) << 2;
+      task(i, n, koff(i, n), qoff(i, n));
+    }
   }
 }
 
-template <int NT>
-MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
-                         const MbCta& k, int c, bool want_x) {
-  const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
-  const int pp = a.P / 2;
-  if (NT % pp == 0) {
-    const int p = 2 * (mb_tid() % pp), step = NT / pp;
-    for (int t = mb_tid() / pp; t < a.C; t += step) lean_x_task(a, L, sm, tt, k, s0, Lc, t, p, want_x);
-  } else {
-    for (int u = mb_tid(); u < a.C * pp; u += NT)
-      lean_x_task(a, L, sm, tt, k, s0, Lc, u / pp, 2 * (u % pp), want_x);
+// SPLIT: Kh and Qh in two passes (fewer live registers: the 8-tile states).
+template <int NT, bool Q, bool SPLIT = false>
+MB_DEV void lean_build_qk(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+                          const MbCta& k, int c) {
+  with_ld(a.lean_ld, [&](auto M) {
+    constexpr int LM = decltype(M)::value;
+    if constexpr (Q && SPLIT) {
+      lean_build_qk_t<NT, true, false, LM>(a, L, sm, tt, k, c);
+      lean_build_qk_t<NT, false, true, LM>(a, L, sm, tt, k, c);
+    } else {
+      lean_build_qk_t<NT, true, Q, LM>(a, L, sm, tt, k, c);
+    }
+  });
+}
+
+// X = v * mimo_v (if X) and Xw = X * w (state-update weight) of chunk c, split; with X, also
+// stages the epilogue's z and dout rows (raw bf16, exact; two per float of shared memory) so
+// that their loads overlap the tile loads instead of stalling the epilogue. One task = four
+// adjacent columns p .. p + 3 of one step t (every rank).
+template <int NT, bool X, int LM>
+MB_DEV void lean_build_x_t(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+                           const MbCta& k, int c) {
+  const int s0 = c * a.C, Lc = min(a.C, a.S - s0), C = a.C, R = a.R, P = a.P, Ppt = a.Ppt;
+  const int ldP = tt.ldP, lg = a.lgP - 2;  // P / 4 tasks per step (P a power of two >= 16)
+  const int p = (mb_tid() & ((P >> 2) - 1)) << 2;
+  const bool hz = a.has_z, ro = a.reduce_o;
+  // LM > 0 implies unit column strides.
+  const int64_t vs1 = a.v.s[1], vsp = LM > 0 ? 1 : a.v.s[3];
+  const unsigned short* vc = reinterpret_cast<const unsigned short*>(a.v.p) +
+                             (k.b * a.v.s[0] + s0 * vs1 + k.h * a.v.s[2] + p * vsp);
+  int64_t zs1 = 0, zsp = 0, ds1 = 0, dsr = 0, dsp = 0;
+  const unsigned short* zc = nullptr;
+  const unsigned short* dc = nullptr;
+  if (X) {
+    if (hz) {
+      zs1 = a.z.s[1], zsp = LM > 0 ? 1 : a.z.s[3];
+      zc = reinterpret_cast<const unsigned short*>(a.z.p) +
+           (k.b * a.z.s[0] + s0 * zs1 + k.h * a.z.s[2] + p * zsp);
+    }
+    const MbView& o = a.dout;
+    ds1 = o.s[1];
+    if (ro) {  // [B, S, H, P]
+      dsp = LM > 0 ? 1 : o.s[3];
+      dc = reinterpret_cast<const unsigned short*>(o.p) + (k.b * o.s[0] + s0 * ds1 + k.h * o.s[2] + p * dsp);
+    } else {  // [B, S, R, H, P]
+      dsr = o.s[2], dsp = LM > 0 ? 1 : o.s[4];
+      dc = reinterpret_cast<const unsigned short*>(o.p) + (k.b * o.s[0] + s0 * ds1 + k.h * o.s[3] + p * dsp);
+    }
   }
+  uint2* zs = reinterpret_cast<uint2*>(sm + L.zs);
+  uint2* ds = reinterpret_cast<uint2*>(sm + L.ds);
+  for (int t = mb_tid() >> lg; t < C; t += NT >> lg) {
+    const bool valid = t < Lc;
+    const uint2 zero = make_uint2(0u, 0u);
+    const uint2 vr = valid ? ld_raw4<LM>(vc + t * vs1, vsp) : zero;
+    if (X) {
+      zs[(t * P + p) >> 2] = hz && valid ? ld_raw4<LM>(zc + t * zs1, zsp) : zero;
+      if (ro) {
+        ds[(t * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1, dsp) : zero;
+      } else {
+        for (int r = 0; r < R; ++r)
+          ds[((t * R + r) * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1 + r * dsr, dsp) : zero;
+      }
+    }
+    const float4 vv = bf4_f(vr);
+    const float w = sm[L.wk + t];
+    for (int r = 0; r < R; ++r) {
+      const float4 mv = *reinterpret_cast<const float4*>(sm + L.mv + r * Ppt + p);
+      const float x0 = vv.x * mv.x, x1 = vv.y * mv.y, x2 = vv.z * mv.z, x3 = vv.w * mv.w;
+      const int e = (t * R + r) * ldP + p;
+      if (X) st_split4(tt.X.h, tt.X.plane, e, x0, x1, x2, x3);
+      st_split4(tt.Xw.h, tt.Xw.plane, e, x0 * w, x1 * w, x2 * w, x3 * w);
+    }
+  }
+}
+
+template <int NT, bool X>
+MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+                         const MbCta& k, int c) {
+  with_ld(a.lean_ld, [&](auto M) {
+    lean_build_x_t<NT, X, decltype(M)::value>(a, L, sm, tt, k, c);
+  });
+}
+
+// Intra-chunk weights W[t][s] = tscale_s exp(segsum[t, s]) for s < t (0 elsewhere), as
+// chunk_weights (same values) with shifts (C a power of two) and a typed segsum load.
+template <int NT>
+MB_DEV void lean_chunk_weights(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
+  const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C);
+  const bool partial = a.S - s0 < C;
+  const MbView& v = a.segsum;
+  const int64_t s3 = v.s[3], s4 = v.s[4];
+  const int64_t base = k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(c) * v.s[2];
+  with_dt(v.dt, [&](auto D) {
+    constexpr int DT = decltype(D)::value;
+    for (int e = mb_tid(); e < C * C; e += NT) {
+      const int t = e >> lgC, s = e & (C - 1);
+      float w = 0.f;
+      if (s < t) {
+        const float seg = partial ? sm[L.da + t] - sm[L.da + s] : mb_ldt<DT>(v.p, base + t * s3 + s * s4, v.dt);
+        w = sm[L.tscale + s] * expf(seg);
+      }
+      sm[L.W + e] = w;
+    }
+  });
 }
 
 // ------------------------------------------------------------------ products
@@ -232,39 +446,46 @@ MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const Le
 template <int NT>
 MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                         const MbCta& k, int c, float Dv) {
-  const int T = a.Tb, R = a.R, nt = T / 16;
+  const int T = a.Tb, C = a.C, lgR = a.lgR, Rm = a.R - 1, nt = T >> 4, lgnt = mb_lg2(nt);
+  const int N = a.N, ldT = tt.ldT;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
+  const MbView& o = a.qk_dot;
+  const int64_t os2 = o.s[2], os3 = o.s[3], os4 = o.s[4];
+  const int64_t obase = k.b * o.s[0] + k.h * o.s[1] + static_cast<int64_t>(s0) * os2;
+  const float* W = sm + L.W;
+  const float* gamma = sm + L.gamma;
   for (int tile = mb_tid() >> 5; tile < nt * nt; tile += NT / 32) {
-    const int m0 = (tile / nt) * 16, n0 = (tile % nt) * 16;
+    const int m0 = (tile >> lgnt) << 4, n0 = (tile & (nt - 1)) << 4;
     float acc[2][4];
     zero_acc(acc);
     // Key steps all after the query steps: the tile is masked to zero.
-    const bool live = (n0 >> a.lgR) <= ((m0 + 15) >> a.lgR);
-    if (live) warp_mma_16x16<false, false>(acc, tt.Qh, m0, tt.Kh, n0, 0, a.N);
+    const bool live = (n0 >> lgR) <= ((m0 + 15) >> lgR);
+    if (live) warp_mma_16x16<false, false>(acc, tt.Qh, m0, tt.Kh, n0, 0, N);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int i = m0 + g + 8 * hr, jj = n0 + 8 * j + 2 * q;
-        const int tq = i >> a.lgR, ri = i & (R - 1);
+        const int tq = i >> lgR, ri = i & Rm;
+        const float* Wr = W + tq * C;
         float v2[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = jj + e;
-          const int tk = col >> a.lgR, rj = col & (R - 1);
+          const int tk = col >> lgR, rj = col & Rm;
           const float sv = acc[j][2 * hr + e];
           float val = 0.f;
           if (tk < tq) {
-            val = sv * sm[L.W + tq * a.C + tk];
+            val = sv * Wr[tk];
           } else if (tk == tq) {
-            val = sm[L.gamma + tq] * sv;
+            val = gamma[tq] * sv;
             if (ri == rj) val += Dv;
-            if (tq < Lc) st5(a.qk_dot, k.b, k.h, s0 + tq, ri, rj, sv);
+            if (tq < Lc) rt_st(o.p, obase + tq * os2 + ri * os3 + rj * os4, o.dt, sv);
           }
           v2[e] = val;
         }
-        st_split2(tt.Sc.h, tt.Sc.plane, i * tt.ldT + jj, v2[0], v2[1]);
+        st_split2f(tt.Sc.h, tt.Sc.plane, i * ldT + jj, v2[0], v2[1]);
       }
     }
   }
@@ -273,28 +494,29 @@ MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const Lea
 // Y = diag(exp(da_cs)) Qh St + Sc X into the fp32 Y tile (row stride a.LP).
 template <int NT>
 MB_DEV void lean_y(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt) {
-  const int T = a.Tb, ntp = a.P / 16, LP = a.LP;
+  const int T = a.Tb, lgR = a.lgR, N = a.N, LP = a.LP, lgn = a.lgP - 4, ntp = a.P >> 4;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
-  for (int tile = mb_tid() >> 5; tile < (T / 16) * ntp; tile += NT / 32) {
-    const int m0 = (tile / ntp) * 16, n0 = (tile % ntp) * 16;
+  const float* expda = sm + L.expda;
+  float* Y = sm + L.Y;
+  for (int tile = mb_tid() >> 5; tile < (T >> 4) << lgn; tile += NT / 32) {
+    const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
     float acc[2][4];
     zero_acc(acc);
-    warp_mma_16x16<false, true>(acc, tt.Qh, m0, tt.St, n0, 0, a.N);
-    const float e0 = sm[L.expda + ((m0 + g) >> a.lgR)], e1 = sm[L.expda + ((m0 + g + 8) >> a.lgR)];
+    warp_mma_16x16<false, true>(acc, tt.Qh, m0, tt.St, n0, 0, N);
+    const float e0 = expda[(m0 + g) >> lgR], e1 = expda[(m0 + g + 8) >> lgR];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       acc[j][0] *= e0, acc[j][1] *= e0;
       acc[j][2] *= e1, acc[j][3] *= e1;
     }
     // Keys up to the tile's last step (Sc is zero past it).
-    const int k1 = min(T, (((((m0 + 15) >> a.lgR) + 1) << a.lgR) + 15) & ~15);
+    const int k1 = min(T, (((((m0 + 15) >> lgR) + 1) << lgR) + 15) & ~15);
     warp_mma_16x16<false, true>(acc, tt.Sc, m0, tt.X, n0, 0, k1);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int col = n0 + 8 * j + 2 * q;
-      *reinterpret_cast<float2*>(sm + L.Y + (m0 + g) * LP + col) = make_float2(acc[j][0], acc[j][1]);
-      *reinterpret_cast<float2*>(sm + L.Y + (m0 + g + 8) * LP + col) =
-          make_float2(acc[j][2], acc[j][3]);
+      *reinterpret_cast<float2*>(Y + (m0 + g) * LP + col) = make_float2(acc[j][0], acc[j][1]);
+      *reinterpret_cast<float2*>(Y + (m0 + g + 8) * LP + col) = make_float2(acc[j][2], acc[j][3]);
     }
   }
 }
@@ -356,68 +578,92 @@ MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int L
 // pass: thread (p, t0) handles column p of steps t0, t0 + NT/P, ... (every rank), sums its
 // steps' contributions per rank in registers, and the threads of one column then add theirs
 // to the Kahan partials in a fixed order (deterministic; the grouping follows NT). Needs
-// NT % P == 0.
-template <int NT>
-MB_DEV void lean_epilogue(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
-                          int Lc) {
-  if (!a.reduce_o && !a.has_z) return;  // nothing to do without mimo_o and the gate
-  const int R = a.R, P = a.P, LP = a.LP, tstep = NT / P;
-  const int p = mb_tid() % P, t0 = mb_tid() / P;
-  float so[kMaxR], sz[kMaxR], sn[kMaxR];
+// NT % P == 0. R is a template parameter (unrolled rank loop, registers per rank).
+template <int NT, int R>
+MB_DEV void lean_epilogue_r(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
+                            int Lc) {
+  const bool ro = a.reduce_o, hz = a.has_z, hn = a.has_norm;
+  const int P = a.P, lgP = a.lgP, LP = a.LP, tstep = NT >> lgP;
+  const int p = mb_tid() & (P - 1), t0 = mb_tid() >> lgP;
+  float so[R], sz[R], sn[R];
 #pragma unroll
-  for (int r = 0; r < kMaxR; ++r) so[r] = sz[r] = sn[r] = 0.f;
-  const float nwp = a.has_norm ? sm[L.nw + p] : 1.f;
+  for (int r = 0; r < R; ++r) so[r] = sz[r] = sn[r] = 0.f;
+  const float* mz = sm + L.mz + p;
+  const float* mo = sm + L.mo + p;
+  const float nwp = hn ? sm[L.nw + p] : 1.f;
+  // Output offsets at the chunk's first step (column p); a step adds t (dz) or i (dout_pre).
+  const MbView& oz = a.dz;
+  const MbView& op = a.dout_pre;
+  const int64_t zs1 = oz.s[1], ps2 = op.s[2];
+  const int64_t zbase = hz ? k.b * oz.s[0] + s0 * zs1 + k.h * oz.s[2] + p * oz.s[3] : 0;
+  const int64_t pbase =
+      hn ? k.b * op.s[0] + k.h * op.s[1] + static_cast<int64_t>(s0) * R * ps2 + p * op.s[3] : 0;
+  const float* Y = sm + L.Y;
   for (int t = t0; t < Lc; t += tstep) {
-    const int64_t gi = s0 + t;
     const float zz = st_bf(sm + L.zs, t * P + p);
-    const float d = a.reduce_o ? st_bf(sm + L.ds, t * P + p) : 0.f;
+    const float d = ro ? st_bf(sm + L.ds, t * P + p) : 0.f;
     float dzs = 0.f;
 #pragma unroll
-    for (int r = 0; r < kMaxR; ++r) {
-      if (r >= R) break;
+    for (int r = 0; r < R; ++r) {
       const int i = t * R + r;
-      const float y = sm[L.Y + i * LP + p];
-      if (!a.has_z) {  // reduce-O without a gate
+      const float y = Y[i * LP + p];
+      if (!hz) {  // reduce-O without a gate
         so[r] = fmaf(d, y, so[r]);
         continue;
       }
-      const float mzv = sm[L.mz + r * P + p];
-      const float dr = a.reduce_o ? d * sm[L.mo + r * P + p] : st_bf(sm + L.ds, i * P + p);
+      const float mzv = mz[r * P];
+      const float dr = ro ? d * mo[r * P] : st_bf(sm + L.ds, i * P + p);
       const LeanGate gt = lean_gate(zz, mzv);
       float yg = y;  // what the gate multiplies
-      if (a.has_norm) {
+      if (hn) {
         const float rstd = sm[L.rstd + i];
         const float xhat = y * rstd;
         yg = xhat * nwp;
         const float dxhat = dr * gt.gate * nwp;
-        st4(a.dout_pre, k.b, k.h, gi * R + r, p, rstd * (dxhat - xhat * sm[L.rdot + i]));
+        rt_st(op.p, pbase + i * ps2, op.dt, rstd * (dxhat - xhat * sm[L.rdot + i]));
         sn[r] = fmaf(dr * gt.gate, xhat, sn[r]);
       }
-      if (a.reduce_o) so[r] = fmaf(d * gt.gate, yg, so[r]);
+      if (ro) so[r] = fmaf(d * gt.gate, yg, so[r]);
       const float gz = dr * yg * gt.dsilu;
       sz[r] = fmaf(gz, zz, sz[r]);
       dzs = fmaf(gz, mzv, dzs);
     }
-    if (a.has_z) st4(a.dz, k.b, gi, k.h, p, dzs);
+    if (hz) rt_st(oz.p, zbase + t * zs1, oz.dt, dzs);
   }
-  // Exchange: ered[kind][t0][r][p], then the first row of threads adds them in t0 order.
+  // Exchange: ered[kind][t0][r][p], then the first row of threads adds them in t0 order. A kind
+  // that is off (no mimo_o, gate or norm) has only zero contributions and zero partials: skipped.
   float* ex = sm + L.ered;
   const int RP = R * P;
+  const bool on[kParts] = {ro, hz, hn};
 #pragma unroll
-  for (int r = 0; r < kMaxR; ++r) {
-    if (r >= R) break;
-    ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
-    ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
-    ex[(2 * tstep + t0) * RP + r * P + p] = sn[r];
+  for (int r = 0; r < R; ++r) {
+    if (ro) ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
+    if (hz) ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
+    if (hn) ex[(2 * tstep + t0) * RP + r * P + p] = sn[r];
   }
   mb_sync();
   for (int q = mb_tid(); q < RP; q += NT) {
+#pragma unroll
     for (int kind = 0; kind < kParts; ++kind) {
+      if (!on[kind]) continue;
+      const float* e = ex + kind * tstep * RP + q;
       float v = 0.f;
-      for (int j = 0; j < tstep; ++j) v += ex[(kind * tstep + j) * RP + q];
+      for (int j = 0; j < tstep; ++j) v += e[j * RP];
       float* acc = sm + L.acc + kind * 2 * RP + q;
       kahan_add(acc, acc + RP, v);
     }
+  }
+}
+
+template <int NT>
+MB_DEV void lean_epilogue(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
+                          int Lc) {
+  if (!a.reduce_o && !a.has_z) return;  // nothing to do without mimo_o and the gate
+  switch (a.R) {
+    case 1: lean_epilogue_r<NT, 1>(a, L, sm, k, s0, Lc); break;
+    case 2: lean_epilogue_r<NT, 2>(a, L, sm, k, s0, Lc); break;
+    case 4: lean_epilogue_r<NT, 4>(a, L, sm, k, s0, Lc); break;
+    default: lean_epilogue_r<NT, 8>(a, L, sm, k, s0, Lc); break;
   }
 }
 
@@ -430,7 +676,7 @@ struct LeanState {
 // St = e St + Kh^T Xw.
 template <int NT, int ST>
 MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST>& s, float e) {
-  const int ntp = a.P / 16, ntiles = (a.N / 16) * ntp;
+  const int lgn = a.lgP - 4, ntiles = (a.N >> 4) << lgn, ntp = a.P >> 4, T = a.Tb;
 #pragma unroll
   for (int j = 0; j < ST; ++j) {
     const int tile = (mb_tid() >> 5) + j * (NT / 32);
@@ -439,21 +685,21 @@ MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST
     for (int x = 0; x < 2; ++x)
 #pragma unroll
       for (int y = 0; y < 4; ++y) s.acc[j][x][y] *= e;
-    warp_mma_16x16<true, true>(s.acc[j], tt.Kh, (tile / ntp) * 16, tt.Xw, (tile % ntp) * 16, 0,
-                               a.Tb);
+    warp_mma_16x16<true, true>(s.acc[j], tt.Kh, (tile >> lgn) << 4, tt.Xw, (tile & (ntp - 1)) << 4,
+                               0, T);
   }
 }
 
 // Applies f(n, p, v0, v1) to every owned state element pair (columns p, p + 1).
 template <int NT, int ST, class F>
 MB_DEV void lean_state_foreach(const MbArgs& a, const LeanState<ST>& s, F f) {
-  const int ntp = a.P / 16, ntiles = (a.N / 16) * ntp;
+  const int lgn = a.lgP - 4, ntiles = (a.N >> 4) << lgn, ntp = a.P >> 4;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int j = 0; j < ST; ++j) {
     const int tile = (mb_tid() >> 5) + j * (NT / 32);
     if (tile >= ntiles) break;
-    const int m0 = (tile / ntp) * 16, n0 = (tile % ntp) * 16;
+    const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       const int p = n0 + 8 * x + 2 * q;
@@ -463,33 +709,28 @@ MB_DEV void lean_state_foreach(const MbArgs& a, const LeanState<ST>& s, F f) {
   }
 }
 
+// The bf16 planes of the register state (for lean_y) and states[b, h, c] = St in one pass over
+// the owned pairs (paired stores when the layout allows; dtype and layout dispatched once).
 template <int NT, int ST>
-MB_DEV void lean_state_to_planes(const MbArgs& a, const LeanTiles& tt, const LeanState<ST>& s) {
-  lean_state_foreach<NT>(a, s, [&](int n, int p, float v0, float v1) {
-    st_split2(tt.St.h, tt.St.plane, n * tt.ldP + p, v0, v1);
-  });
-}
-
-// states[b, h, c] = St (paired stores when the layout allows).
-template <int NT, int ST>
-MB_DEV void lean_write_states(const MbArgs& a, const MbCta& k, int c, const LeanState<ST>& s) {
+MB_DEV void lean_state_out(const MbArgs& a, const LeanTiles& tt, const MbCta& k, int c,
+                           const LeanState<ST>& s) {
   const MbView& o = a.states;
+  const int64_t sn = o.s[3], sp = o.s[4];
   const int64_t base = k.b * o.s[0] + k.h * o.s[1] + static_cast<int64_t>(c) * o.s[2];
-  lean_state_foreach<NT>(a, s, [&](int n, int p, float v0, float v1) {
-    const int64_t off = base + n * o.s[3] + p;
-    if (a.states_vec4) {
-      if (o.dt == 2) {
-        *reinterpret_cast<float2*>(reinterpret_cast<float*>(o.p) + off) = make_float2(v0, v1);
-      } else if (o.dt == 1) {
-        *reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(o.p) + off) =
-            __floats2bfloat162_rn(v0, v1);
+  const int ldP = tt.ldP;
+  const bool v2 = a.states_vec4;
+  with_dt(o.dt, [&](auto D) {
+    constexpr int DT = decltype(D)::value;
+    lean_state_foreach<NT>(a, s, [&](int n, int p, float v0, float v1) {
+      st_split2f(tt.St.h, tt.St.plane, n * ldP + p, v0, v1);
+      const int64_t off = base + n * sn;
+      if (v2) {
+        st2_t<DT>(o.p, off + p, v0, v1);
       } else {
-        *reinterpret_cast<__half2*>(reinterpret_cast<__half*>(o.p) + off) = __floats2half2_rn(v0, v1);
+        st_t<DT>(o.p, off + p * sp, v0);
+        st_t<DT>(o.p, off + (p + 1) * sp, v1);
       }
-    } else {
-      rt_st(o.p, off, o.dt, v0);
-      rt_st(o.p, off + o.s[4], o.dt, v1);
-    }
+    });
   });
 }
 
@@ -501,10 +742,11 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   const MbLayout& L = a.l1;
   const int64_t bid = mb_bid();
   const int sub = static_cast<int>(bid % a.nsub);
-  MbCta k;
-  k.bhi = static_cast<int>(bid / a.nsub);
-  k.b = k.bhi / a.H, k.h = k.bhi % a.H, k.g = k.h / a.HG;
-  k.p0 = 0, k.Pv = a.P;
+  MbCta k0;
+  k0.bhi = static_cast<int>(bid / a.nsub);
+  k0.b = k0.bhi / a.H, k0.h = k0.bhi % a.H, k0.g = k0.h / a.HG;
+  k0.p0 = 0, k0.Pv = a.P;
+  const MbCta& k = k0;
   const LeanTiles tt = lean_tiles(a, L, sm);
   load_consts<NT>(a, L, sm, k, false, false, a.Ppt);
   LeanState<ST> st;
@@ -513,20 +755,23 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   float dec = 0.f;
   const int c0 = sub * a.L1, c1 = c0 + a.L1;  // sub-segments never reach the last chunk
   for (int c = c0; c < c1; ++c) {
+    MbCta k = k0;  // per chunk, opaque (see mb_opaque)
+    k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
     chunk_scalars(a, L, sm, k, c);
     lean_chunk_angles<NT>(a, L, sm, k, c);
     mb_sync();
     dec += sm[L.misc + 1];
     const float e = sm[L.misc];
-    lean_build_qk<NT>(a, L, sm, tt, k, c, false);
-    lean_build_x<NT>(a, L, sm, tt, k, c, false);
+    lean_build_qk<NT, false>(a, L, sm, tt, k, c);
+    lean_build_x<NT, false>(a, L, sm, tt, k, c);
     mb_sync();
     lean_state_update<NT>(a, tt, st, e);
   }
   float* out = a.ws_local + (static_cast<int64_t>(k.bhi) * a.nsub + sub) * a.N * a.P;
+  const int P = a.P;
   lean_state_foreach<NT>(a, st, [&](int n, int p, float v0, float v1) {
-    *reinterpret_cast<float2*>(out + static_cast<int64_t>(n) * a.P + p) = make_float2(v0, v1);
+    *reinterpret_cast<float2*>(out + n * P + p) = make_float2(v0, v1);
   });
   if (mb_tid() == 0) a.ws_dec[static_cast<int64_t>(k.bhi) * a.nsub + sub] = dec;
 }
@@ -537,10 +782,11 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
   const MbLayout& L = a.l3;
   const int64_t bid = mb_bid();
   const int seg = static_cast<int>(bid % a.nseg);
-  MbCta k;
-  k.bhi = static_cast<int>(bid / a.nseg);
-  k.b = k.bhi / a.H, k.h = k.bhi % a.H, k.g = k.h / a.HG;
-  k.p0 = 0, k.Pv = a.P;
+  MbCta k0;
+  k0.bhi = static_cast<int>(bid / a.nseg);
+  k0.b = k0.bhi / a.H, k0.h = k0.bhi % a.H, k0.g = k0.h / a.HG;
+  k0.p0 = 0, k0.Pv = a.P;
+  const MbCta& k = k0;
   const int Ppt = a.Ppt;
   const LeanTiles tt = lean_tiles(a, L, sm);
   // The epilogue's Kahan partials start from zero.
@@ -549,18 +795,18 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
   LeanState<ST> st;
   if (seg > 0) {
     const float* in = a.ws_enter + (static_cast<int64_t>(k.bhi) * (a.nseg - 1) + seg - 1) * a.N * a.P;
-    const int ntp = a.P / 16, ntiles = (a.N / 16) * ntp;
+    const int P = a.P, lgn = a.lgP - 4, ntp = P >> 4, ntiles = (a.N >> 4) << lgn;
     const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int j = 0; j < ST; ++j) {
       const int tile = (mb_tid() >> 5) + j * (NT / 32);
       if (tile >= ntiles) break;
-      const int m0 = (tile / ntp) * 16, n0 = (tile % ntp) * 16;
+      const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
         const int p = n0 + 8 * x + 2 * q;
-        const float2 v0 = *reinterpret_cast<const float2*>(in + static_cast<int64_t>(m0 + g) * a.P + p);
-        const float2 v1 = *reinterpret_cast<const float2*>(in + static_cast<int64_t>(m0 + g + 8) * a.P + p);
+        const float2 v0 = *reinterpret_cast<const float2*>(in + (m0 + g) * P + p);
+        const float2 v1 = *reinterpret_cast<const float2*>(in + (m0 + g + 8) * P + p);
         st.acc[j][x][0] = v0.x, st.acc[j][x][1] = v0.y, st.acc[j][x][2] = v1.x, st.acc[j][x][3] = v1.y;
       }
     }
@@ -568,21 +814,24 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
 #pragma unroll
     for (int j = 0; j < ST; ++j) zero_acc(st.acc[j]);
   }
-  lean_state_to_planes<NT>(a, tt, st);
   const float Dv = a.has_d ? ld1(a.d, k.h) : 0.f;
 
   const int c0 = seg * a.L3, c1 = min(a.nch, c0 + a.L3);
+  // The planes of the state entering chunk c0 and states[c0]; each later state's planes and
+  // output are written together right after its update (the end of the previous chunk).
+  lean_state_out<NT>(a, tt, k, c0, st);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
+    MbCta k = k0;  // per chunk, opaque (see mb_opaque)
+    k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
     chunk_scalars(a, L, sm, k, c);
     lean_chunk_angles<NT>(a, L, sm, k, c);
-    lean_write_states<NT>(a, k, c, st);
     mb_sync();
-    chunk_weights<NT>(a, L, sm, k, c);
+    lean_chunk_weights<NT>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
-    lean_build_qk<NT>(a, L, sm, tt, k, c, true);
-    lean_build_x<NT>(a, L, sm, tt, k, c, true);
+    lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
+    lean_build_x<NT, true>(a, L, sm, tt, k, c);
     mb_sync();
     lean_scores<NT>(a, L, sm, tt, k, c, Dv);
     mb_sync();
@@ -591,10 +840,11 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
     if (a.has_norm) lean_norm_stats<NT>(a, L, sm, Lc);
     lean_epilogue<NT>(a, L, sm, k, s0, Lc);
     // The state planes were last read by lean_y (before the barrier above); the epilogue does
-    // not touch them.
-    if (c + 1 < a.nch) {
+    // not touch them. The state after the segment's last chunk is not needed (the next segment
+    // starts from ws_enter).
+    if (c + 1 < c1) {
       lean_state_update<NT>(a, tt, st, e_chunk);
-      lean_state_to_planes<NT>(a, tt, st);
+      lean_state_out<NT>(a, tt, k, c + 1, st);
     }
   }
   mb_sync();

@@ -273,7 +273,9 @@ void check_case(const Shape& s, uint64_t seed) {
   ASSERT_EQ(pl.defer_epi, 0);
   if (s.want_st) EXPECT_EQ(pl.lean, s.want_st) << "state tiles per warp";
   if (s.want_segments) EXPECT_GT(pl.nseg, 1) << "segments";
-  EXPECT_EQ(mimo::mb_problem(p).lean_vec, s.pad == 0);
+  // Pair loads with even strides, loads of four elements with strides multiples of 4.
+  EXPECT_EQ(mimo::mb_problem(p).lean_vec, s.pad % 2 == 0);
+  EXPECT_EQ(mimo::mb_problem(p).lean_vec4, s.pad % 4 == 0);
   emulate(p, pl);
 
   // Against the CPU backend: bf16 outputs within bf16 rounding, fp32 outputs to the products'
@@ -341,6 +343,14 @@ TEST(MimoBwdFwdEmulated, GateNormPartialChunk) {
 TEST(MimoBwdFwdEmulated, PerRankDoutPaddedInputs) {
   Shape s{2, 16, 2, 2, 48, 16, 4, 8, 4, false, true, false, false, 1, kBF, kF, 512};
   check_case(s, 21);
+}
+
+// Inputs padded by two elements per row (even strides, not multiples of 4): the lean kernels'
+// pair loads (MbArgs::lean_ld 1) instead of their 8-byte loads; rotary divisor 2 (every column
+// pair rotates).
+TEST(MimoBwdFwdEmulated, PairLoadsPaddedInputs) {
+  Shape s{1, 24, 2, 1, 32, 16, 2, 8, 2, true, true, true, false, 2, kF, kBF, 512};
+  check_case(s, 51);
 }
 
 // Several K3 segments: the lean K1 local scans from a zero state, K2's chaining into the states
