@@ -37,6 +37,16 @@ void mb_sync();
 float mb_shfl_xor(float v, int mask);
 #endif
 
+// Read-only (non-coherent) global load on the device; a plain load in the host emulation.
+template <class T>
+MB_DEV T mb_ldg(const T* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
 // ------------------------------------------------------------------ bf16 pair primitives
 
 MB_DEV uint32_t bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }

@@ -65,15 +65,6 @@ BB_DEV void with_dout_dtype(int dt, F f) {
     f(DTag<__nv_bfloat16>{});
 }
 
-template <class T>
-BB_DEV T ldg_of(const T* p) {
-#if defined(__CUDA_ARCH__)
-  return __ldg(p);
-#else
-  return *p;
-#endif
-}
-
 BB_DEV float f_of_bits(unsigned short u, DTag<__nv_bfloat16>) {
   return __bfloat162float(__ushort_as_bfloat16(u));
 }
@@ -83,9 +74,9 @@ BB_DEV float f_of_bits(unsigned short u, DTag<__half>) { return __half2float(__u
 template <class T>
 BB_DEV float ld_t(const View& v, int64_t off) {
   if constexpr (sizeof(T) == 4)
-    return ldg_of(reinterpret_cast<const float*>(v.p) + off);
+    return mimo::mb_ldg(reinterpret_cast<const float*>(v.p) + off);
   else
-    return f_of_bits(ldg_of(reinterpret_cast<const unsigned short*>(v.p) + off), DTag<T>{});
+    return f_of_bits(mimo::mb_ldg(reinterpret_cast<const unsigned short*>(v.p) + off), DTag<T>{});
 }
 
 // Elements off and off + st (st: the last dim's stride): one load of the pair when vec (unit
@@ -94,16 +85,16 @@ template <class T>
 BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
   if constexpr (sizeof(T) == 4) {
     const float* p = reinterpret_cast<const float*>(v.p) + off;
-    if (vec) return ldg_of(reinterpret_cast<const float2*>(p));
-    return make_float2(ldg_of(p), ldg_of(p + st));
+    if (vec) return mimo::mb_ldg(reinterpret_cast<const float2*>(p));
+    return make_float2(mimo::mb_ldg(p), mimo::mb_ldg(p + st));
   } else {
     const unsigned short* p = reinterpret_cast<const unsigned short*>(v.p) + off;
     unsigned short u0, u1;
     if (vec) {
-      const unsigned int u = ldg_of(reinterpret_cast<const unsigned int*>(p));
+      const unsigned int u = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p));
       u0 = static_cast<unsigned short>(u & 0xffffu), u1 = static_cast<unsigned short>(u >> 16);
     } else {
-      u0 = ldg_of(p), u1 = ldg_of(p + st);
+      u0 = mimo::mb_ldg(p), u1 = mimo::mb_ldg(p + st);
     }
     return make_float2(f_of_bits(u0, DTag<T>{}), f_of_bits(u1, DTag<T>{}));
   }

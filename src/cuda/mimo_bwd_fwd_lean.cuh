@@ -88,15 +88,6 @@ MB_DEV int mb_lg2(int x) {
 #endif
 }
 
-template <class T>
-MB_DEV T mb_ldg(const T* p) {
-#if defined(__CUDA_ARCH__)
-  return __ldg(p);
-#else
-  return *p;
-#endif
-}
-
 // Calls f(std::integral_constant<int, DT>) for the dtype code dt (0 f16, 1 bf16, 2 f32).
 template <class F>
 MB_DEV void with_dt(int dt, F&& f) {
@@ -282,20 +273,16 @@ MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const
         const unsigned short* qp = qc + qoff;
         qa = ld_raw4<LM>(qp, qsn), qb = ld_raw4<LM>(qp + qh, qsn);
       }
-      if (K) {
-        const float4 fa = bf4_f(ka), fb = bf4_f(kb);
-        const float4 ba = *reinterpret_cast<const float4*>(kbias + r * N + n);
-        const float4 bb = *reinterpret_cast<const float4*>(kbias + r * N + n + half);
-        k1 = make_float4(fa.x + ba.x, fa.y + ba.y, fa.z + ba.z, fa.w + ba.w);
-        k2 = make_float4(fb.x + bb.x, fb.y + bb.y, fb.z + bb.z, fb.w + bb.w);
-      }
-      if (Q) {
-        const float4 ga = bf4_f(qa), gb = bf4_f(qb);
-        const float4 ca = *reinterpret_cast<const float4*>(qbias + r * N + n);
-        const float4 cb = *reinterpret_cast<const float4*>(qbias + r * N + n + half);
-        q1 = make_float4(ga.x + ca.x, ga.y + ca.y, ga.z + ca.z, ga.w + ca.w);
-        q2 = make_float4(gb.x + cb.x, gb.y + cb.y, gb.z + cb.z, gb.w + cb.w);
-      }
+      // Raw bf16 quads (columns n.., half + n..) plus the bias row of rank r.
+      auto biased = [&](uint2 ua, uint2 ub, const float* bias, float4& x1, float4& x2) {
+        const float4 fa = bf4_f(ua), fb = bf4_f(ub);
+        const float4 ba = *reinterpret_cast<const float4*>(bias + r * N + n);
+        const float4 bb = *reinterpret_cast<const float4*>(bias + r * N + n + half);
+        x1 = make_float4(fa.x + ba.x, fa.y + ba.y, fa.z + ba.z, fa.w + ba.w);
+        x2 = make_float4(fb.x + bb.x, fb.y + bb.y, fb.z + bb.z, fb.w + bb.w);
+      };
+      if (K) biased(ka, kb, kbias, k1, k2);
+      if (Q) biased(qa, qb, qbias, q1, q2);
     }
     // (a, b) -> (a cos - b sin, a sin + b cos) on the pairs (n, n + N/2).
     const int e1 = i * ldN + n, e2 = e1 + half;
