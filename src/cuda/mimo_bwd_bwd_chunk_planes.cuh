@@ -198,8 +198,14 @@ BB_DEV void tile_row_dots(const mimo::SplitTile& V, int m0, int n0, const float 
   v0 += mimo::mb_shfl_xor(v0, 2);
   v1 += mimo::mb_shfl_xor(v1, 2);
   if (q == 0) {
-    part[((m0 + g) * ncol_tiles + (n0 >> 4)) * 3 + Which] = v0;
-    part[((m0 + g + 8) * ncol_tiles + (n0 >> 4)) * 3 + Which] = v1;
+    // The row index made opaque here so that the compiler forms the store address at the
+    // store: hoisted to the kernel's start it stayed live across phase 2 and spilled.
+    int gr = m0 + g;
+#if defined(__CUDA_ARCH__)
+    asm volatile("" : "+r"(gr));
+#endif
+    part[(gr * ncol_tiles + (n0 >> 4)) * 3 + Which] = v0;
+    part[((gr + 8) * ncol_tiles + (n0 >> 4)) * 3 + Which] = v1;
   }
 }
 
@@ -657,21 +663,34 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
             st_split_pair(Gp, row * ldP + pc, o.g);
           });
     });
+    // states[c] to planes; with them the row dots states . dS for DDA (dS, the workspace:
+    // [N][P] fp32 at an even element offset), so that the states are read once per chunk.
+    float dda_part = 0.f;
     with_dtype(a.states.dt, [&](auto stag) {
       using TS = typename decltype(stag)::type;
       const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
       pair_rows_lin<4, NT>(
           N, lgP, ss3,
-          [&](int, int64_t off, int pc) {
-            return ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
+          [&](int n, int64_t off, int pc) {
+            const float2 st = ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
+            const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
+            return make_float4(st.x, st.y, ds.x, ds.y);
           },
-          [&](int n, int64_t, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
+          [&](int n, int64_t, int pc, float4 sd) {
+            dda_part += sd.x * sd.z;
+            dda_part += sd.y * sd.w;
+            st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
+          });
     });
-    if (a.has_d) {  // uniform over the block; its barriers also end the loads above
-      const float tot = block_sum<NT>(dd_part, red);
-      if (tid == 0) a.ws_dd[item] = tot;
-    } else {
-      bb_sync();
+    // Both block sums in one tree; its barriers also end the loads above. The DDA total is kept
+    // in shared memory (red[2 NT], past the tree) until the per-step outputs: a register live
+    // across phase 2 would cost spills there.
+    {
+      const float2 tot = block_sum2<NT>(dd_part, dda_part, red);
+      if (tid == 0) {
+        if (a.has_d) a.ws_dd[item] = tot.x;
+        red[2 * NT] = tot.y;
+      }
     }
     // Decays of the steps; zero past the sequence (those rows are zero, their products too).
     const float da_last = s_dacs[L - 1];
@@ -738,24 +757,10 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     bb_sync();  // st and mc are rewritten next
 
     // ---- dkh. dS_c replaces states[c]; M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)] (j > i).
-    float dda_part = 0.f;
-    with_dtype(a.states.dt, [&](auto stag) {
-      using TS = typename decltype(stag)::type;
-      const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
-      pair_rows_lin<4, NT>(
-          N, lgP, ss3,
-          [&](int n, int64_t off, int pc) {
-            const float2 st = ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
-            // dS: the workspace, [N][P] fp32 at an even element offset (8-byte aligned).
-            const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
-            return make_float4(st.x, st.y, ds.x, ds.y);
-          },
-          [&](int n, int64_t, int pc, float4 sd) {
-            dda_part += sd.x * sd.z;
-            dda_part += sd.y * sd.w;
-            st_split_pair(Sp, n * ldP + pc, make_float2(sd.z, sd.w));
-          });
-    });
+    pair_rows_lin<4, NT>(
+        N, lgP, int64_t{P},
+        [&](int, int64_t off, int pc) { return *reinterpret_cast<const float2*>(dS + off + pc); },
+        [&](int n, int64_t, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
     // (Not unrolled: it runs with the dqh accumulators live; unrolled, it spilled.)
     BB_NO_UNROLL
     for (int e = tid; e < (T << (lgT - 1)); e += NT) {
@@ -768,7 +773,8 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       st_split_pair(Mc, row * ldT + cb,
                     make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
     }
-    const float dda = expf(da_last) * block_sum<NT>(dda_part, red);  // + barrier
+    bb_sync();  // mc and the dS planes
+    const float dda = expf(da_last) * red[2 * NT];
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
       const int tile = warp + u * kPlanesWarps;

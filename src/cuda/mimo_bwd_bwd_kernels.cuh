@@ -151,7 +151,7 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, in
   L.ts = take(4 * C);
   L.gam = take(4 * C);
   L.qk = take(4 * C * R * R);
-  L.red = take(4 * kPlanesThreads);
+  L.red = take(4 * (2 * kPlanesThreads + 1));  // block_sum2's tree and the DDA total
   L.part = take(4 * 3 * T * (N / 16));
   L.W = take(4 * C * C);
   L.qb = take(4 * 2 * R * N);
@@ -253,6 +253,22 @@ BB_DEV float block_sum(float v, float* red) {
     bb_sync();
   }
   const float total = red[0];
+  bb_sync();
+  return total;
+}
+
+// Two block sums in one tree (the same fixed order per value as block_sum, so the same bits;
+// half the barriers of two calls). red: 2 NT floats. Ends with a barrier.
+template <int NT>
+BB_DEV float2 block_sum2(float v0, float v1, float* red) {
+  const int tid = bb_tid();
+  red[tid] = v0, red[NT + tid] = v1;
+  bb_sync();
+  for (int s = NT / 2; s > 0; s >>= 1) {
+    if (tid < s) red[tid] += red[tid + s], red[NT + tid] += red[NT + tid + s];
+    bb_sync();
+  }
+  const float2 total = make_float2(red[0], red[NT]);
   bb_sync();
   return total;
 }
