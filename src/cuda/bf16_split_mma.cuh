@@ -47,6 +47,16 @@ MB_DEV T mb_ldg(const T* p) {
 #endif
 }
 
+// x, opaque to the compiler: values derived from it are formed where they are used instead of
+// being hoisted out of a loop, where they would hold registers across it (the chunk kernels run
+// at their register limit). Nothing on the host.
+MB_DEV int mb_opaque(int x) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" : "+r"(x));
+#endif
+  return x;
+}
+
 // ------------------------------------------------------------------ bf16 pair primitives
 
 MB_DEV uint32_t bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }

@@ -136,15 +136,6 @@ BB_DEV void st_t(float* p, float x) { *p = x; }
 BB_DEV void st_t(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 BB_DEV void st_t(__half* p, float x) { *p = __float2half_rn(x); }
 
-// x, formed where it is used: the compiler may not hoist it out of the chunk loop (why: a
-// loop-invariant value hoisted there stays live across phase 2, whose registers are all taken).
-BB_DEV int opaque(int x) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("" : "+r"(x));
-#endif
-  return x;
-}
-
 using bf16_t = __nv_bfloat16;
 
 // dPhiO row (t, r) of dout starts at base + t st + r sr, stride sp along p (dphio_row and
@@ -200,10 +191,7 @@ BB_DEV void tile_row_dots(const mimo::SplitTile& V, int m0, int n0, const float 
   if (q == 0) {
     // The row index made opaque here so that the compiler forms the store address at the
     // store: hoisted to the kernel's start it stayed live across phase 2 and spilled.
-    int gr = m0 + g;
-#if defined(__CUDA_ARCH__)
-    asm volatile("" : "+r"(gr));
-#endif
+    const int gr = mimo::mb_opaque(m0 + g);
     part[(gr * ncol_tiles + (n0 >> 4)) * 3 + Which] = v0;
     part[((gr + 8) * ncol_tiles + (n0 >> 4)) * 3 + Which] = v1;
   }
@@ -559,10 +547,10 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
   // q_bias, k_bias [R][N] fp32 of the chunk's head; the (sin, cos) of the chunk's angles [C][A]
   // where the layout has room (else nullptr: phase 3 calls sincos again). Formed where used,
   // from the kernel parameters (kept live across phase 2 they spilled).
-  auto qbias = [&] { return flp(opaque(Ly.qb)); };
-  auto kbias = [&] { return flp(opaque(Ly.qb)) + (R << lgN); };
+  auto qbias = [&] { return flp(mimo::mb_opaque(Ly.qb)); };
+  auto kbias = [&] { return flp(mimo::mb_opaque(Ly.qb)) + (R << lgN); };
   auto cs_tab = [&] {
-    const int o = opaque(Ly.cs);
+    const int o = mimo::mb_opaque(Ly.cs);
     return o >= 0 ? reinterpret_cast<float2*>(smem + o) : nullptr;
   };
 

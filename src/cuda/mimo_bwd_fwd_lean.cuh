@@ -69,16 +69,6 @@ MB_DEV LeanTiles lean_tiles(const MbArgs& a, const MbLayout& L, float* sm) {
 // (64-bit offsets from four or five runtime strides, a runtime layout branch per load, a dtype
 // switch per store, divisions by runtime sizes) made the chunk pass instruction-bound.
 
-// x, opaque to the compiler: offsets derived from it are recomputed where they are used (once
-// per chunk) instead of being hoisted out of the chunk loop, where they would hold registers
-// for the whole loop (the 8-tile states have few to spare). Nothing on the host.
-MB_DEV int mb_opaque(int x) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("" : "+r"(x));
-#endif
-  return x;
-}
-
 // log2 of a power of two.
 MB_DEV int mb_lg2(int x) {
 #if defined(__CUDA_ARCH__)
