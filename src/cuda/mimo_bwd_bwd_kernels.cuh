@@ -106,7 +106,8 @@ struct PlanesLayout {
   int qh = 0, kh = 0, x = 0, g = 0, st = 0, mc = 0;
   int kq = 0, xg = 0;  // fp32 [T][T]
   // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
-  // [kPlanesThreads] and three per-row partial sums [T][N / 16][3].
+  // [2 kPlanesThreads + 1] (block_sum2's tree, then the DDA total) and three per-row partial
+  // sums [T][N / 16][3].
   int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0,
       W = 0;  // + exp(segsum) [C][C] (fp32)
   // q_bias, k_bias of the chunk's head [2][R][N] (fp32), staged once per chunk for phases 0
