@@ -31,7 +31,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kSegRows = 16;  // rows (b, t) per partial of the bias sums
 constexpr int kQkThreads = 128;
-constexpr int kMaxC = 64;     // largest chunk size the params allow
 constexpr size_t kAlign = 256;
 
 // A tensor as these kernels see it: byte pointer, runtime dtype, element strides (up to 5 dims).
@@ -292,17 +291,31 @@ struct TimeArgs {
   View ddt, dtrap, dadt;
 };
 
-// One CTA of kMaxC threads per (b, h, chunk); thread m owns position s0 + m.
+// One CTA of kTimeThreads per (b, h, chunk); thread m < L owns position s0 + m.
 //   ddt_t   = lam_t (DGAMMA_t + DFACTOR_t) + (1 - lam_t) DFACTOR_{t-1}
 //   dtrap_t = lam_t (1 - lam_t) dt_t (DGAMMA_t + DFACTOR_t - DFACTOR_{t-1})
 //   dadt_m  = sum_{t>=m} e^{da_cs_t} DDA_CS_t + sum_{t<m} e^{da_cs_rev_t} DDA_CS_REV_t
 //           + sum_{j<m<=i} e^{segsum_ij} DSSDA_ji + DDA_m
 // (adt_m enters da_cs_t for t >= m, da_cs_rev_t for t < m, and segsum_ij for j < m <= i).
 // In a partial last chunk da_cs_rev and segsum are rebuilt from the edge-extended da_cs, as the
-// first pass's tail contract says.
-__global__ void __launch_bounds__(kMaxC) cb_time_kernel(const __grid_constant__ TimeArgs a) {
-  __shared__ float dcs[kMaxC], E[kMaxC], F[kMaxC];
-  __shared__ float W[kMaxC][kMaxC + 1];  // W[j][i] = e^{segsum_ij} DSSDA_ji (j < i)
+// first pass's tail contract says. The C x C weights are filled by all kTimeThreads threads,
+// kTimeAhead entries per thread with their loads issued first (with one warp pair per chunk and
+// a global load per entry in turn, C = 64 took 64 DRAM round trips per CTA: 0.15 ms at B4 S2048
+// H16).
+// Threads: time_threads(C) (>= C: C <= 64 by the params); shared memory: time_smem_bytes(C), sized to C so that small
+// chunks keep many CTAs per SM.
+constexpr int kTimeThreads = 256, kTimeAhead = 4;
+unsigned time_threads(int64_t C) {
+  return static_cast<unsigned>(std::min<int64_t>(kTimeThreads, std::max<int64_t>(64, C * C / kTimeAhead)));
+}
+size_t time_smem_bytes(int64_t C) { return static_cast<size_t>(3 * C + C * (C + 1)) * sizeof(float); }
+
+__global__ void __launch_bounds__(kTimeThreads) cb_time_kernel(const __grid_constant__ TimeArgs a) {
+  extern __shared__ float tsm[];
+  const int ldw = static_cast<int>(a.C) + 1;
+  float *dcs = tsm, *E = tsm + a.C, *F = tsm + 2 * a.C;
+  float* W = tsm + 3 * a.C;  // W[j ldw + i] = e^{segsum_ij} DSSDA_ji (j < i)
+  const int nt = blockDim.x;
   const int64_t c = blockIdx.x % a.nch, bh = blockIdx.x / a.nch;
   const int64_t h = bh % a.H, b = bh / a.H;
   const int64_t s0 = c * a.C;
@@ -331,17 +344,26 @@ __global__ void __launch_bounds__(kMaxC) cb_time_kernel(const __grid_constant__ 
     F[m] = expf(rev) * a.drev[row + t];
   }
   const float* dss = a.dssda + (bh * a.nch + c) * a.C * a.C;
-  for (int idx = m; idx < L * L; idx += kMaxC) {
-    const int i = idx % L, j = idx / L;  // consecutive threads: consecutive i (DSSDA's last dim)
-    float w = 0.f;
-    if (j < i) {
-      const float seg = partial ? dcs[i] - dcs[j]
-                                : ld(a.segsum, b * a.segsum.s[0] + h * a.segsum.s[1] +
-                                                   c * a.segsum.s[2] + i * a.segsum.s[3] +
-                                                   j * a.segsum.s[4]);
-      w = expf(seg) * dss[j * a.C + i];
+  const int64_t seg0 = b * a.segsum.s[0] + h * a.segsum.s[1] + c * a.segsum.s[2];
+  for (int idx0 = m; idx0 < L * L; idx0 += kTimeAhead * nt) {
+    float seg[kTimeAhead], ds[kTimeAhead];
+#pragma unroll
+    for (int u = 0; u < kTimeAhead; ++u) {  // loads first
+      const int idx = idx0 + u * nt;
+      const int i = idx % L, j = idx / L;  // consecutive threads: consecutive i (DSSDA's last dim)
+      seg[u] = ds[u] = 0.f;
+      if (idx < L * L && j < i) {
+        seg[u] = partial ? dcs[i] - dcs[j]
+                         : ld(a.segsum, seg0 + i * a.segsum.s[3] + j * a.segsum.s[4]);
+        ds[u] = dss[j * a.C + i];
+      }
     }
-    W[j][i] = w;
+#pragma unroll
+    for (int u = 0; u < kTimeAhead; ++u) {
+      const int idx = idx0 + u * nt;
+      const int i = idx % L, j = idx / L;
+      if (idx < L * L) W[j * ldw + i] = j < i ? expf(seg[u]) * ds[u] : 0.f;
+    }
   }
   __syncthreads();
   if (m >= L) return;
@@ -349,7 +371,7 @@ __global__ void __launch_bounds__(kMaxC) cb_time_kernel(const __grid_constant__ 
   for (int t = m; t < L; ++t) acc += E[t];
   for (int t = 0; t < m; ++t) acc += F[t];
   for (int i = m; i < L; ++i)
-    for (int j = 0; j < m; ++j) acc += W[j][i];
+    for (int j = 0; j < m; ++j) acc += W[j * ldw + i];
   acc += a.dda[row + s0 + m];
   st(a.dadt, b * a.dadt.s[0] + h * a.dadt.s[1] + (s0 + m) * a.dadt.s[2], acc);
 }
@@ -548,7 +570,8 @@ void mimo_bwd_combined(const MimoCombinedParams& cp, void* workspace, size_t wor
     t.dfac = l.dfac, t.dgam = l.dgam, t.dda = l.dda, t.drev = l.drev, t.dcs = l.dcs;
     t.dssda = l.dssda;
     t.ddt = view_of(cp.ddt), t.dtrap = view_of(cp.dtrap), t.dadt = view_of(cp.dadt);
-    cb_time_kernel<<<static_cast<unsigned>(B * H * f.nchunks), kMaxC, 0, st>>>(t);
+    cb_time_kernel<<<static_cast<unsigned>(B * H * f.nchunks), time_threads(f.C),
+                     time_smem_bytes(f.C), st>>>(t);
     check_launch("mimo_bwd_combined: dt / trap / adt kernel");
   }
 }
