@@ -29,6 +29,10 @@ struct MimoBwdBwdParams {
       segsum, angles, mimo_o, d;
   // outputs (dq, dk, dv in any of f16 / bf16 / f32; the rest f32)
   TensorView dq, dk, dv, dmimo_v, dangles, dfactor, dgamma, dda, dssda, dda_cs_rev, dda_cs, dd;
+  // Set only by the combined backward (CUDA), never by make_mimo_bwd_bwd_params: the Z gate
+  // applied to dout as the kernels load it, dPhiO^r = dout^r silu(z mimo_z^r) (z [B, S, H, P],
+  // mimo_z [H, R, P]), so that no gated copy of dout is written and read back.
+  TensorView z, mimo_z;
 };
 
 // Validates every argument of mamba3_mimo_bwd_bwd (see include/mamba3/mamba3.h for the contract)

@@ -284,6 +284,15 @@ BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
   return make_float2(ld(w, o), ld(w, o + w.s[2]));
 }
 
+// z_gate of columns (pc, pc + 1) of step t, given their mimo_z pair mz (the row's rank).
+BB_DEV float2 z_gate2(const Args& a, int b, int t, int h, int pc, float2 mz) {
+  const int64_t o = int64_t{b} * a.z.s[0] + int64_t{t} * a.z.s[1] + int64_t{h} * a.z.s[2] +
+                    int64_t{pc} * a.z.s[3];
+  const float2 z = a.bf16_z_pairs ? ld2_t<bf16_t>(a.z, o, 1, true)
+                                  : make_float2(ld(a.z, o), ld(a.z, o + a.z.s[3]));
+  return make_float2(silu_f(z.x * mz.x), silu_f(z.y * mz.y));
+}
+
 // The rank weights of a pair_rows<U, NT> loop over [T][P] rows (row = i R + r): a thread's rows
 // step by NT / (P / 2), so when that is a multiple of R they all have the thread's rank and its
 // weight pair is loaded once per loop, not once per row (K1 at P 128, R 8 is the exception;
@@ -322,10 +331,11 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
   const bool partial = L < a.C;
   const int LR = L * R, nd = a.layout == 0 ? L : LR;
   const int64_t NP = static_cast<int64_t>(N) * P;
-  // Row groups, in order: q, k (L R rows of N), v (L of P), dPhiO (nd of P), states (N of P),
-  // segsum (L of C, whole chunks only), angles (L of A), da_cs / dt / trap (one row of L each),
-  // dS_c (NP / 32 lines of fp32).
-  const int g_q = LR, g_k = g_q + LR, g_v = g_k + L, g_d = g_v + nd, g_s = g_d + N,
+  // Row groups, in order: q, k (L R rows of N), v (L of P), dPhiO (nd of P), z (L of P, with
+  // the gate), states (N of P), segsum (L of C, whole chunks only), angles (L of A), da_cs / dt /
+  // trap (one row of L each), dS_c (NP / 32 lines of fp32).
+  const int g_q = LR, g_k = g_q + LR, g_v = g_k + L, g_d = g_v + nd,
+            g_z = g_d + (a.gate ? L : 0), g_s = g_z + N,
             g_w = g_s + (partial ? 0 : L), g_a = g_w + L, g_t = g_a + 3;
   const int total = g_t + static_cast<int>((NP + 31) / 32);
   for (int e = bb_tid(); e < total; e += kPlanesThreads) {
@@ -347,8 +357,10 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
       const int row = e - g_v, i = a.layout == 0 ? row : row >> lgR,
                 r = a.layout == 0 ? 0 : row & (R - 1);
       v = &a.dout, off = dphio_row(a, b, s0 + i, r, h), stride = dphio_pstride(a), cnt = P;
+    } else if (e < g_z) {
+      v = &a.z, off = o3(a.z, b, s0 + e - g_d, h), stride = a.z.s[3], cnt = P;
     } else if (e < g_s) {
-      v = &a.states, off = o4(a.states, b, h, c, e - g_d), stride = a.states.s[4], cnt = P;
+      v = &a.states, off = o4(a.states, b, h, c, e - g_z), stride = a.states.s[4], cnt = P;
     } else if (e < g_w) {
       v = &a.segsum, off = o5(a.segsum, b, h, c, e - g_s, 0), stride = a.segsum.s[4], cnt = a.C;
     } else if (e < g_a) {
@@ -462,6 +474,7 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
   for (int i = tid; i < L; i += NT) s_E[i] = expf(ld(a.da_cs, o3(a.da_cs, b, h, s0 + i)));
   const DoutRows dr = dout_rows(a, b, h);
   const RankWeights wo = thread_rank_weights<NT>(a.mimo_o, h, R, lgP, a.layout == 0);
+  const RankWeights wz = thread_rank_weights<NT>(a.mimo_z, h, R, lgP, a.gate != 0);
   with_dout_dtype(a.dout.dt, [&](auto dtag) {
     using TD = typename decltype(dtag)::type;
     pair_rows<4, NT>(
@@ -475,6 +488,10 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
             if (a.layout == 0) {
               const float2 mo = wo.at(a.mimo_o, h, r, pc);
               g.x *= mo.x, g.y *= mo.y;
+            }
+            if (a.gate) {
+              const float2 gz = z_gate2(a, b, s0 + i, h, pc, wz.at(a.mimo_z, h, r, pc));
+              g.x *= gz.x, g.y *= gz.y;
             }
           }
           return g;
@@ -630,6 +647,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const float2 mv = rank_weights(a.mimo_v, h, r_t, pc_t);
       const float2 mo =
           a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
+      const float2 mz = a.gate ? rank_weights(a.mimo_z, h, r_t, pc_t) : make_float2(1.f, 1.f);
       pair_rows<4, NT>(
           T, lgP,
           [&](int row, int pc) {
@@ -641,6 +659,10 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
               o.g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
                               a.vec_dout);
               if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
+              if (a.gate) {
+                const float2 gz = z_gate2(a, b, s0 + i, h, pc, mz);
+                o.g.x *= gz.x, o.g.y *= gz.y;
+              }
             }
             return o;
           },

@@ -179,6 +179,8 @@ struct Args {
   int B, S, H, G, N, P, R, C, A, half, nch, HG;
   int layout;  // 0 reduce-O, 1 per rank, 2 packed (MimoDout order)
   int has_d;
+  int gate;  // dPhiO carries the combined backward's Z gate (z_gate)
+  View z, mimo_z;
   View dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt, trap, segsum,
       angles, mimo_o, d;
   View dq, dk, dv, dmimo_v, dangles, dfactor, dgamma, dda, dssda, dda_cs_rev, dda_cs, dd;
@@ -203,6 +205,8 @@ struct Args {
   // in one load; see pair_layout), else two scalar loads of the same elements (same values);
   // dq, dk pair stores likewise.
   int vec_q, vec_k, vec_v, vec_dout, vec_states, vec_dq, vec_dk;
+  int bf16_z_pairs;  // Args::gate with a bf16 z in pair layout: one 4-byte load per pair
+
 };
 
 // K3's shared memory (per CTA).
@@ -232,6 +236,23 @@ BB_DEV int64_t o5(const View& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3,
 }
 
 BB_DEV float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+
+// silu(u) = u / (1 + e^-u) with the approximate division (~2 ulp; in the planes K3 the IEEE
+// division's slow-path call made ptxas spill at its 128 registers). Its error, ~1e-7 relative,
+// is far below the ~2^-17 of the bf16 hi/lo products that consume it.
+BB_DEV float silu_f(float u) {
+#if defined(__CUDA_ARCH__)
+  return __fdividef(u, 1.f + expf(-u));
+#else
+  return u / (1.f + expf(-u));  // the host emulation (no gate case is emulated)
+#endif
+}
+
+// The Z gate of dPhiO element (t, r, p) of head h (Args::gate): silu(z mimo_z^r);
+// dPhiO = (dout [mimo_o]) times it.
+BB_DEV float z_gate(const Args& a, int b, int t, int h, int r, int p) {
+  return silu_f(ld(a.z, o4(a.z, b, t, h, p)) * ld(a.mimo_z, o3(a.mimo_z, h, r, p)));
+}
 
 // Offset of element p = 0 of dPhiO row (t, r) in dout, and dout's stride along p (row-wise loads
 // do the multi-stride index math once per row, not per element).
@@ -493,6 +514,7 @@ BB_DEV void increment_body(const Args& a, float* smem) {
       if (row < T) {
         vg = ld(a.dout, dphio_row(a, b, t, r, h) + p * dps);
         if (a.layout == 0) vg *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
+        if (a.gate) vg *= z_gate(a, b, t, h, r, p);
       }
       sg[e] = vg;
     }
@@ -655,6 +677,7 @@ BB_DEV void chunk_body(const Args& a, ChunkShared& sh) {
         vx = ld(a.v, o3(a.v, b, t, h) + p * a.v.s[3]) * ld(a.mimo_v, o3(a.mimo_v, h, r, p));
         vg = ld(a.dout, dphio_row(a, b, t, r, h) + p * dps);
         if (a.layout == 0) vg *= ld(a.mimo_o, o3(a.mimo_o, h, r, p));
+        if (a.gate) vg *= z_gate(a, b, t, h, r, p);
       }
       xs[e] = vx;
       gs[e] = vg;
@@ -952,7 +975,7 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
   pl.slot_floats = o;
   // Tensor cores (3xTF32) for 16-bit q, k, v, whose tolerance leaves room for its ~2^-21
   // relative product error, when every product's dims fit the m16n8k8 tiles. dout may be fp32:
-  // the combined backward hands over the gated or pre-RMS dout of 16-bit inputs in fp32.
+  // the combined backward hands over the pre-RMS dout of 16-bit inputs in fp32.
   auto half16 = [](const TensorView& t) { return t.dtype == DType::F16 || t.dtype == DType::BF16; };
   pl.tc = half16(p.q) && half16(p.k) && half16(p.v) && Tm % 16 == 0 && p.N % 16 == 0 &&
           p.P % 16 == 0;
@@ -961,7 +984,7 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
   // (all of SPEC.md's grid at bf16 activations). It needs no scratch slots. Further conditions:
   //  - bf16 q, k, v (fp16 keeps chunk_body: its tolerance is ~8x tighter than bf16's, too tight
   //    for the ~2^-17 per product of the bf16 hi/lo split, as in the first pass's lean path;
-  //    see docs/PERF.md), a bf16 or fp32 dout (the combined backward hands over fp32): the
+  //    see docs/PERF.md), a bf16 or fp32 dout (the combined backward's pre-RMS dout is fp32): the
   //    kernels load them with compile-time types;
   //  - N, P, R, C powers of two (all of SPEC.md's grid: N 16..256, P 32..128, R 1..8,
   //    C 8..64): its element loops index with shifts (Args::lgN ...); other shapes keep
@@ -1031,6 +1054,8 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.half = a.N / 2, a.nch = static_cast<int>(p.nchunks), a.HG = static_cast<int>(p.H / p.G);
   a.layout = p.dout_layout == MimoDout::ReduceO ? 0 : p.dout_layout == MimoDout::PerRank ? 1 : 2;
   a.has_d = p.has_d ? 1 : 0;
+  a.gate = p.z.present() ? 1 : 0;
+  if (a.gate) a.z = view_of(p.z), a.mimo_z = view_of(p.mimo_z);
   a.dout = view_of(p.dout), a.q = view_of(p.q), a.k = view_of(p.k), a.v = view_of(p.v);
   a.q_bias = view_of(p.q_bias), a.k_bias = view_of(p.k_bias), a.mimo_v = view_of(p.mimo_v);
   a.states = view_of(p.states), a.qk_dot = view_of(p.qk_dot), a.da_cs = view_of(p.da_cs);
@@ -1061,6 +1086,7 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.vec_q = pair_layout(p.q), a.vec_k = pair_layout(p.k), a.vec_v = pair_layout(p.v);
   a.vec_dout = pair_layout(p.dout), a.vec_states = pair_layout(p.states);
   a.vec_dq = pair_layout(p.dq), a.vec_dk = pair_layout(p.dk);
+  a.bf16_z_pairs = a.gate && p.z.dtype == DType::BF16 && pair_layout(p.z);
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
   a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st, a.o_m = pl.o_m;

@@ -4,9 +4,10 @@
 // separate Triton kernels and torch sums. Formulas: golden/include/mamba3_golden/mimo_bwd_bwd.hpp
 // (mimo_bwd_combined) and the CPU backend (src/cpu/mimo_bwd_combined.cpp), which this mirrors.
 //
+// With z (and no norm) the second pass takes the caller's dout and applies the gate as it loads
+// it, dL/dy^r = dout (Phi^r) * silu(z Zeta^r) (bb::Args::gate): no gated per-rank copy is
+// written and read back.
 // Launches after the two passes (all deterministic: fixed-order sums, no atomics):
-//   gate   (z without the norm): the gated per-rank dout the second pass takes,
-//          dL/dy^r = dout (Phi^r) * silu(z Zeta^r), before the second pass.
 //   qk     dq / dk summed over the heads of each q/k group, written in the caller's dtype, and
 //          per-(row segment) partial sums of the per-head gradients (the bias gradients): one
 //          read of the per-head gradients for both.
@@ -57,71 +58,6 @@ __device__ __forceinline__ void st(const View& v, int64_t off, float x) {
 __device__ __forceinline__ float sigmoid_acc(float x) { return 1.f / (1.f + expf(-x)); }
 
 // ------------------------------------------------------------------ kernels
-
-struct GateArgs {
-  int64_t B, S, R, H, P;
-  int64_t items;  // B S H ceil(P / 4): the threads' work items
-  int reduce_o;
-  View dout, z, mimo_z, mimo_o;
-  float* gated;  // [B, S, R, H, P] compact
-};
-
-// One thread per (b, t, h) and quad of columns p0..p0+3, for all R ranks: one index
-// decomposition per 4 R outputs (it was three 64-bit divisions per output: 0.41 ms at B4 S2048
-// H16 R4 P64, for 134 MB of stores) and the z / reduce-O dout elements read once for the ranks.
-// I is uint32_t when every index fits (the host checks), else int64_t.
-template <class I>
-__global__ void __launch_bounds__(kThreads) cb_gate_kernel(const __grid_constant__ GateArgs a) {
-  const I P = static_cast<I>(a.P), H = static_cast<I>(a.H), S = static_cast<I>(a.S),
-          R = static_cast<I>(a.R);
-  const I nq = (P + 3) / 4;
-  const bool vec = P % 4 == 0;  // float4 stores (the buffer is 256-byte aligned)
-  // The bound read from the parameters, not formed here: kept in a register it is saved to the
-  // stack around the division's slow-path call.
-  for (I i = blockIdx.x * I{kThreads} + threadIdx.x; i < static_cast<I>(a.items);
-       i += I{gridDim.x} * kThreads) {
-    const I p0 = (i % nq) * 4, row = i / nq;  // row = (b S + t) H + h
-    const I h = row % H, bt = row / H, t = bt % S, b = bt / S;
-    const int cnt = static_cast<int>(P - p0 < 4 ? P - p0 : 4);
-    float zv[4], dv[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      zv[e] = dv[e] = 0.f;
-      if (e < cnt) {
-        const int64_t p = p0 + e;
-        zv[e] = ld(a.z, b * a.z.s[0] + t * a.z.s[1] + h * a.z.s[2] + p * a.z.s[3]);
-        if (a.reduce_o)
-          dv[e] = ld(a.dout, b * a.dout.s[0] + t * a.dout.s[1] + h * a.dout.s[2] + p * a.dout.s[3]);
-      }
-    }
-    for (I r = 0; r < R; ++r) {
-      float o[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        o[e] = 0.f;
-        if (e < cnt) {
-          const int64_t p = p0 + e;
-          const float u = zv[e] * ld(a.mimo_z, h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
-                                                   p * a.mimo_z.s[2]);
-          const float d =
-              a.reduce_o
-                  ? dv[e] * ld(a.mimo_o, h * a.mimo_o.s[0] + r * a.mimo_o.s[1] + p * a.mimo_o.s[2])
-                  : ld(a.dout, b * a.dout.s[0] + t * a.dout.s[1] + r * a.dout.s[2] +
-                                   h * a.dout.s[3] + p * a.dout.s[4]);
-          o[e] = d * (u * sigmoid_acc(u));
-        }
-      }
-      float* out = a.gated + ((static_cast<int64_t>(bt) * a.R + r) * a.H + h) * a.P + p0;
-      if (vec) {
-        *reinterpret_cast<float4*>(out) = make_float4(o[0], o[1], o[2], o[3]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (e < cnt) out[e] = o[e];
-      }
-    }
-  }
-}
 
 struct QkArgs {
   int64_t B, S, R, H, G, N;
@@ -387,7 +323,7 @@ unsigned blocks(int64_t n, int per = kThreads) {
 struct Layout {
   MimoBwdFwdParams f;
   MimoBwdBwdParams b;
-  float *gated = nullptr, *dqh = nullptr, *dkh = nullptr, *dmv = nullptr, *dmo = nullptr,
+  float *dqh = nullptr, *dkh = nullptr, *dmv = nullptr, *dmo = nullptr,
         *dmz = nullptr, *dnw = nullptr, *dd = nullptr, *dfac = nullptr, *dgam = nullptr,
         *dda = nullptr, *drev = nullptr, *dcs = nullptr, *dssda = nullptr, *part = nullptr;
   void* sub = nullptr;
@@ -444,10 +380,11 @@ Layout make_layout(const MimoCombinedParams& cp, unsigned char* base) {
   if (f.has_norm) {  // dL/dy^r is the first pass's pre-RMS dout
     b.dout = f.dout_pre_rms;
     b.dout_layout = MimoDout::Packed;
-  } else if (f.has_z) {  // the gate folded into a per-rank dout (cb_gate_kernel)
-    l.gated = take(B * S * R * H * P);
-    b.dout = view(l.gated, {B, S, R, H, P}, "dout");
-    b.dout_layout = MimoDout::PerRank;
+  } else if (f.has_z) {  // the second pass applies the gate as it loads dout (Args::gate)
+    b.dout = f.dout;
+    b.mimo_o = f.mimo_o;
+    b.dout_layout = f.reduce_o ? MimoDout::ReduceO : MimoDout::PerRank;
+    b.z = f.z, b.mimo_z = f.mimo_z;
   } else {
     b.dout = f.dout;
     b.mimo_o = f.mimo_o;
@@ -514,21 +451,6 @@ void mimo_bwd_combined(const MimoCombinedParams& cp, void* workspace, size_t wor
   const int64_t B = f.B, S = f.S, H = f.H, G = f.G, N = f.N, P = f.P, R = f.R;
 
   mimo_bwd_fwd(f, l.sub, l.sub_bytes, stream);
-
-  if (l.gated != nullptr) {
-    GateArgs g;
-    g.B = B, g.S = S, g.R = R, g.H = H, g.P = P, g.reduce_o = f.reduce_o;
-    g.dout = view_of(f.dout), g.z = view_of(f.z), g.mimo_z = view_of(f.mimo_z);
-    if (f.reduce_o) g.mimo_o = view_of(f.mimo_o);
-    g.gated = l.gated;
-    g.items = B * S * H * ((P + 3) / 4);
-    const unsigned gb = std::min(blocks(g.items), 1u << 20);
-    if (g.items + int64_t{gb} * kThreads < (int64_t{1} << 32))
-      cb_gate_kernel<uint32_t><<<gb, kThreads, 0, st>>>(g);
-    else
-      cb_gate_kernel<int64_t><<<gb, kThreads, 0, st>>>(g);
-    check_launch("mimo_bwd_combined: gate kernel");
-  }
 
   mimo_bwd_bwd(l.b, l.sub, l.sub_bytes, stream);
 
