@@ -240,17 +240,24 @@ struct TimeArgs {
 // H16).
 // Threads: time_threads(C) (>= C: C <= 64 by the params); shared memory: time_smem_bytes(C), sized to C so that small
 // chunks keep many CTAs per SM.
-constexpr int kTimeThreads = 256, kTimeAhead = 4;
-unsigned time_threads(int64_t C) {
-  return static_cast<unsigned>(std::min<int64_t>(kTimeThreads, std::max<int64_t>(64, C * C / kTimeAhead)));
+// The segsum term of position m is a rectangle of the weights (j < m <= i): kTimeSplit threads
+// per position sum interleaved columns i, their partials added in order (one thread per
+// position did up to C^2 / 4 dependent adds: 1024 at C = 64).
+constexpr int kTimeThreads = 256, kTimeAhead = 4, kTimeSplit = 4;
+unsigned time_threads(int64_t C) {  // >= kTimeSplit C (C <= 64)
+  return static_cast<unsigned>(std::min<int64_t>(
+      kTimeThreads, std::max<int64_t>({64, C * C / kTimeAhead, kTimeSplit * C})));
 }
-size_t time_smem_bytes(int64_t C) { return static_cast<size_t>(3 * C + C * (C + 1)) * sizeof(float); }
+size_t time_smem_bytes(int64_t C) {
+  return static_cast<size_t>(3 * C + C * (C + 1) + kTimeSplit * C) * sizeof(float);
+}
 
 __global__ void __launch_bounds__(kTimeThreads) cb_time_kernel(const __grid_constant__ TimeArgs a) {
   extern __shared__ float tsm[];
   const int ldw = static_cast<int>(a.C) + 1;
   float *dcs = tsm, *E = tsm + a.C, *F = tsm + 2 * a.C;
   float* W = tsm + 3 * a.C;  // W[j ldw + i] = e^{segsum_ij} DSSDA_ji (j < i)
+  float* Wsum = W + a.C * ldw;  // [C][kTimeSplit] partial rectangle sums
   const int nt = blockDim.x;
   const int64_t c = blockIdx.x % a.nch, bh = blockIdx.x / a.nch;
   const int64_t h = bh % a.H, b = bh / a.H;
@@ -302,12 +309,21 @@ __global__ void __launch_bounds__(kTimeThreads) cb_time_kernel(const __grid_cons
     }
   }
   __syncthreads();
+  {
+    const int pm = m / kTimeSplit, q = m % kTimeSplit;
+    if (pm < L) {
+      float part = 0.f;
+      for (int i = pm + q; i < L; i += kTimeSplit)
+        for (int j = 0; j < pm; ++j) part += W[j * ldw + i];
+      Wsum[m] = part;
+    }
+  }
+  __syncthreads();
   if (m >= L) return;
   float acc = 0.f;
   for (int t = m; t < L; ++t) acc += E[t];
   for (int t = 0; t < m; ++t) acc += F[t];
-  for (int i = m; i < L; ++i)
-    for (int j = 0; j < m; ++j) acc += W[j * ldw + i];
+  for (int q = 0; q < kTimeSplit; ++q) acc += Wsum[m * kTimeSplit + q];
   acc += a.dda[row + s0 + m];
   st(a.dadt, b * a.dadt.s[0] + h * a.dadt.s[1] + (s0 + m) * a.dadt.s[2], acc);
 }
