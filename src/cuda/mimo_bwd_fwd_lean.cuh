@@ -419,6 +419,67 @@ MB_DEV void lean_chunk_weights(const MbArgs& a, const MbLayout& L, float* sm, co
 
 // ------------------------------------------------------------------ products
 
+// Fragment row addresses for ldmatrix: on the device 32-bit shared-window byte addresses, on the
+// host (emulation) element pointers.
+#if defined(__CUDACC__)
+using LeanSa = uint32_t;
+MB_DEV LeanSa lean_sa(const __nv_bfloat16* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+MB_DEV LeanSa lean_sa_add(LeanSa a, int elems) { return a + 2u * static_cast<uint32_t>(elems); }
+template <bool TRANS>
+MB_DEV void lean_ldsm(uint32_t (&r)[4], LeanSa a) {
+  if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  }
+}
+#else
+using LeanSa = const __nv_bfloat16*;
+inline LeanSa lean_sa(const __nv_bfloat16* p) { return p; }
+inline LeanSa lean_sa_add(LeanSa a, int elems) { return a + elems; }
+template <bool TRANS>
+inline void lean_ldsm(uint32_t (&r)[4], LeanSa a) {
+  if constexpr (TRANS) ldsm4t(r, a);
+  else ldsm4(r, a);
+}
+#endif
+
+// warp_mma_16x16 (bf16_split_mma.cuh) over k in [0, 16 nk): the same loads and the same three
+// mma per tile in the same order, but each lane's fragment addresses are formed once and then
+// advance by one add per operand and k-step (warp_mma_16x16 forms them from the row and column
+// indices at every step: ~10 integer instructions per step where 4 LDSM and 6 HMMA do the work).
+template <bool A_KM, bool B_KN>
+MB_DEV void lean_mma(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B, int n0,
+                     int nk) {
+  const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
+  LeanSa pa = lean_sa(A.h + (A_KM ? (lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
+                                  : (m0 + lr + 8 * (lm & 1)) * A.ld + 8 * (lm >> 1)));
+  LeanSa pb = lean_sa(B.h + (B_KN ? (lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
+                                  : (n0 + lr + 8 * (lm >> 1)) * B.ld + 8 * (lm & 1)));
+  const int da = A_KM ? 16 * A.ld : 16, db = B_KN ? 16 * B.ld : 16;
+  for (int s = 0; s < nk; ++s) {
+    uint32_t ah[4], al[4], bh[4], bl[4];
+    lean_ldsm<A_KM>(ah, pa);
+    lean_ldsm<A_KM>(al, lean_sa_add(pa, A.plane));
+    lean_ldsm<B_KN>(bh, pb);
+    lean_ldsm<B_KN>(bl, lean_sa_add(pb, B.plane));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+      mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+      mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+    }
+    pa = lean_sa_add(pa, da);
+    pb = lean_sa_add(pb, db);
+  }
+}
+
 // Sc = mask(Qh Kh^T) (split, into tt.Sc) and the qk_dot output of chunk c.
 template <int NT>
 MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
@@ -438,7 +499,7 @@ MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const Lea
     zero_acc(acc);
     // Key steps all after the query steps: the tile is masked to zero.
     const bool live = (n0 >> lgR) <= ((m0 + 15) >> lgR);
-    if (live) warp_mma_16x16<false, false>(acc, tt.Qh, m0, tt.Kh, n0, 0, N);
+    if (live) lean_mma<false, false>(acc, tt.Qh, m0, tt.Kh, n0, N >> 4);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -479,7 +540,7 @@ MB_DEV void lean_y(const MbArgs& a, const MbLayout& L, float* sm, const LeanTile
     const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
     float acc[2][4];
     zero_acc(acc);
-    warp_mma_16x16<false, true>(acc, tt.Qh, m0, tt.St, n0, 0, N);
+    lean_mma<false, true>(acc, tt.Qh, m0, tt.St, n0, N >> 4);
     const float e0 = expda[(m0 + g) >> lgR], e1 = expda[(m0 + g + 8) >> lgR];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -488,7 +549,7 @@ MB_DEV void lean_y(const MbArgs& a, const MbLayout& L, float* sm, const LeanTile
     }
     // Keys up to the tile's last step (Sc is zero past it).
     const int k1 = min(T, (((((m0 + 15) >> lgR) + 1) << lgR) + 15) & ~15);
-    warp_mma_16x16<false, true>(acc, tt.Sc, m0, tt.X, n0, 0, k1);
+    lean_mma<false, true>(acc, tt.Sc, m0, tt.X, n0, k1 >> 4);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int col = n0 + 8 * j + 2 * q;
@@ -662,8 +723,8 @@ MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST
     for (int x = 0; x < 2; ++x)
 #pragma unroll
       for (int y = 0; y < 4; ++y) s.acc[j][x][y] *= e;
-    warp_mma_16x16<true, true>(s.acc[j], tt.Kh, (tile >> lgn) << 4, tt.Xw, (tile & (ntp - 1)) << 4,
-                               0, T);
+    lean_mma<true, true>(s.acc[j], tt.Kh, (tile >> lgn) << 4, tt.Xw, (tile & (ntp - 1)) << 4,
+                         T >> 4);
   }
 }
 
