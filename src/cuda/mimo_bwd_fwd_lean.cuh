@@ -792,18 +792,24 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   for (int j = 0; j < ST; ++j) zero_acc(st.acc[j]);
   float dec = 0.f;
   const int c0 = sub * a.L1, c1 = c0 + a.L1;  // sub-segments never reach the last chunk
+  // Each chunk's scalars and cos / sin table are built during the previous chunk (see
+  // k3_lean_body): one barrier per chunk fewer.
+  chunk_scalars(a, L, sm, k, c0);
+  lean_chunk_angles<NT>(a, L, sm, k, c0);
   for (int c = c0; c < c1; ++c) {
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
-    mb_sync();
-    chunk_scalars(a, L, sm, k, c);
-    lean_chunk_angles<NT>(a, L, sm, k, c);
     mb_sync();
     dec += sm[L.misc + 1];
     const float e = sm[L.misc];
     lean_build_qk<NT, false>(a, L, sm, tt, k, c);
     lean_build_x<NT, false>(a, L, sm, tt, k, c);
     mb_sync();
+    // Chunk c's scalars and table were last read above (before the barrier).
+    if (c + 1 < c1) {
+      chunk_scalars(a, L, sm, k, c + 1);
+      lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+    }
     lean_state_update<NT>(a, tt, st, e);
   }
   float* out = a.ws_local + (static_cast<int64_t>(k.bhi) * a.nsub + sub) * a.N * a.P;
@@ -858,13 +864,16 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
   // The planes of the state entering chunk c0 and states[c0]; each later state's planes and
   // output are written together right after its update (the end of the previous chunk).
   lean_state_out<NT>(a, tt, k, c0, st);
+  // Chunk c's scalars (da, expda, gamma, tscale, wk, misc) and cos / sin table are built during
+  // chunk c - 1, after the barrier that follows their last reads (lean_y), so that their global
+  // loads overlap the other warps' epilogue and state update instead of stalling every warp at
+  // a barrier of their own (the second barrier per chunk before the tile builds).
+  chunk_scalars(a, L, sm, k, c0);
+  lean_chunk_angles<NT>(a, L, sm, k, c0);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
-    mb_sync();
-    chunk_scalars(a, L, sm, k, c);
-    lean_chunk_angles<NT>(a, L, sm, k, c);
     mb_sync();
     lean_chunk_weights<NT>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
@@ -875,6 +884,11 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
     mb_sync();
     lean_y<NT>(a, L, sm, tt);
     mb_sync();
+    // The norm statistics and the epilogue read none of the scalar regions nor the table.
+    if (c + 1 < c1) {
+      chunk_scalars(a, L, sm, k, c + 1);
+      lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+    }
     if (a.has_norm) lean_norm_stats<NT>(a, L, sm, Lc);
     lean_epilogue<NT>(a, L, sm, k, s0, Lc);
     // The state planes were last read by lean_y (before the barrier above); the epilogue does
