@@ -711,20 +711,93 @@ struct LeanState {
   float acc[ST][2][4];
 };
 
-// St = e St + Kh^T Xw.
+// St = e St + Kh^T Xw. The k-steps run outermost and the warp's tiles inside: each tile gets
+// the products of one lean_mma per tile in the same order (k ascending, the same three mma per
+// step), but the tiles' independent mma chains interleave, and when P / 16 divides NT / 32
+// (P <= NT / 2) all of a warp's tiles lie in one column block and read the Xw fragments of a
+// k-step once, not once per tile. With 8 tiles (64 accumulators) the shared fragments spill at
+// 512 threads (128 registers): one lean_mma per tile there.
 template <int NT, int ST>
 MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST>& s, float e) {
-  const int lgn = a.lgP - 4, ntiles = (a.N >> 4) << lgn, ntp = a.P >> 4, T = a.Tb;
+  constexpr int NW = NT / 32;
+  const int lgn = a.lgP - 4, ntiles = (a.N >> 4) << lgn, ntp = a.P >> 4, nk = a.Tb >> 4;
+  const int w = mb_tid() >> 5, lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
+  int nj = 0;  // the warp's tiles w + j NW, j < nj (the ones below ntiles: a prefix)
 #pragma unroll
   for (int j = 0; j < ST; ++j) {
-    const int tile = (mb_tid() >> 5) + j * (NT / 32);
+    const int tile = w + j * NW;
     if (tile >= ntiles) break;
+    nj = j + 1;
 #pragma unroll
     for (int x = 0; x < 2; ++x)
 #pragma unroll
       for (int y = 0; y < 4; ++y) s.acc[j][x][y] *= e;
-    lean_mma<true, true>(s.acc[j], tt.Kh, (tile >> lgn) << 4, tt.Xw, (tile & (ntp - 1)) << 4,
-                         T >> 4);
+    if constexpr (ST >= 8)
+      lean_mma<true, true>(s.acc[j], tt.Kh, (tile >> lgn) << 4, tt.Xw, (tile & (ntp - 1)) << 4, nk);
+  }
+  if constexpr (ST >= 8) return;
+  const SplitTile& A = tt.Kh;  // [T][N]: k-major, read transposed
+  const SplitTile& B = tt.Xw;  // [T][P]: [k][n], read transposed
+  const bool one_col = (NW & (ntp - 1)) == 0;
+  // Lane addresses at k = 0, row 0 and column 0 (warp_mma_16x16's A_KM / B_KN offsets).
+  const LeanSa a0 = lean_sa(A.h + (lr + 8 * (lm >> 1)) * A.ld + 8 * (lm & 1));
+  const LeanSa b0 = lean_sa(B.h + (lr + 8 * (lm & 1)) * B.ld + 8 * (lm >> 1));
+  if constexpr (ST == 2) {
+    if (one_col && nj == ST) {
+      // Both tiles' fragments first, then each of the three mma stages over both tiles: four
+      // independent accumulator chains between dependent mma instead of two.
+      const LeanSa pb0 = lean_sa_add(b0, (w & (ntp - 1)) << 4);
+      for (int ks = 0; ks < nk; ++ks) {
+        const int ka = (ks * A.ld) << 4, kb = (ks * B.ld) << 4;
+        uint32_t bh[4], bl[4], ah[ST][4], al[ST][4];
+        const LeanSa pb = lean_sa_add(pb0, kb);
+        lean_ldsm<true>(bh, pb);
+        lean_ldsm<true>(bl, lean_sa_add(pb, B.plane));
+#pragma unroll
+        for (int j = 0; j < ST; ++j) {
+          const LeanSa pa = lean_sa_add(a0, ka + (((w + j * NW) >> lgn) << 4));
+          lean_ldsm<true>(ah[j], pa);
+          lean_ldsm<true>(al[j], lean_sa_add(pa, A.plane));
+        }
+#pragma unroll
+        for (int j = 0; j < ST; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) mma16816(s.acc[j][h], al[j], bh[2 * h], bh[2 * h + 1]);
+#pragma unroll
+        for (int j = 0; j < ST; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) mma16816(s.acc[j][h], ah[j], bl[2 * h], bl[2 * h + 1]);
+#pragma unroll
+        for (int j = 0; j < ST; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) mma16816(s.acc[j][h], ah[j], bh[2 * h], bh[2 * h + 1]);
+      }
+      return;
+    }
+  }
+  for (int ks = 0; ks < nk; ++ks) {
+    const int ka = (ks * A.ld) << 4, kb = (ks * B.ld) << 4;
+    uint32_t bh[4], bl[4];
+#pragma unroll
+    for (int j = 0; j < ST; ++j) {
+      if (j >= nj) break;
+      const int tile = w + j * NW;
+      if (j == 0 || !one_col) {
+        const LeanSa pb = lean_sa_add(b0, kb + ((tile & (ntp - 1)) << 4));
+        lean_ldsm<true>(bh, pb);
+        lean_ldsm<true>(bl, lean_sa_add(pb, B.plane));
+      }
+      const LeanSa pa = lean_sa_add(a0, ka + ((tile >> lgn) << 4));
+      uint32_t ah[4], al[4];
+      lean_ldsm<true>(ah, pa);
+      lean_ldsm<true>(al, lean_sa_add(pa, A.plane));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mma16816(s.acc[j][h], al, bh[2 * h], bh[2 * h + 1]);
+        mma16816(s.acc[j][h], ah, bl[2 * h], bl[2 * h + 1]);
+        mma16816(s.acc[j][h], ah, bh[2 * h], bh[2 * h + 1]);
+      }
+    }
   }
 }
 
