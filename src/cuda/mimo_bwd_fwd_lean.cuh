@@ -395,17 +395,21 @@ MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const Le
 }
 
 // Intra-chunk weights W[t][s] = tscale_s exp(segsum[t, s]) for s < t (0 elsewhere), as
-// chunk_weights (same values) with shifts (C a power of two) and a typed segsum load.
-template <int NT>
+// chunk_weights (same values) with shifts (C a power of two) and a typed segsum load. REV: the
+// threads from the last down (element e on thread NT - 1 - e): the X build that follows runs on
+// the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 (the reference shape: 256
+// of 512 each) the two loops and their global loads run on different warps before the barrier.
+template <int NT, bool REV = false>
 MB_DEV void lean_chunk_weights(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C);
   const bool partial = a.S - s0 < C;
   const MbView& v = a.segsum;
   const int64_t s3 = v.s[3], s4 = v.s[4];
   const int64_t base = k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(c) * v.s[2];
+  const int u = REV ? NT - 1 - mb_tid() : mb_tid();
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
-    for (int e = mb_tid(); e < C * C; e += NT) {
+    for (int e = u; e < C * C; e += NT) {
       const int t = e >> lgC, s = e & (C - 1);
       float w = 0.f;
       if (s < t) {
@@ -948,7 +952,9 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
-    lean_chunk_weights<NT>(a, L, sm, k, c);
+    // Reversed (see lean_chunk_weights) but with 8 state tiles per warp: <512, 8> sits at its
+    // 128-register limit and spilled with it.
+    lean_chunk_weights<NT, (ST < 8)>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
     lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
     lean_build_x<NT, true>(a, L, sm, tt, k, c);
