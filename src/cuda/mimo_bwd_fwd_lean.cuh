@@ -395,17 +395,21 @@ MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const Le
 }
 
 // Intra-chunk weights W[t][s] = tscale_s exp(segsum[t, s]) for s < t (0 elsewhere), as
-// chunk_weights (same values) with shifts (C a power of two) and a typed segsum load.
-template <int NT>
+// chunk_weights (same values) with shifts (C a power of two) and a typed segsum load. REV: the
+// threads from the last down (element e on thread NT - 1 - e): the X build that follows runs on
+// the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 (the reference shape: 256
+// of 512 each) the two loops and their global loads run on different warps before the barrier.
+template <int NT, bool REV = false>
 MB_DEV void lean_chunk_weights(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C);
   const bool partial = a.S - s0 < C;
   const MbView& v = a.segsum;
   const int64_t s3 = v.s[3], s4 = v.s[4];
   const int64_t base = k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(c) * v.s[2];
+  const int u = REV ? NT - 1 - mb_tid() : mb_tid();
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
-    for (int e = mb_tid(); e < C * C; e += NT) {
+    for (int e = u; e < C * C; e += NT) {
       const int t = e >> lgC, s = e & (C - 1);
       float w = 0.f;
       if (s < t) {
@@ -418,6 +422,67 @@ MB_DEV void lean_chunk_weights(const MbArgs& a, const MbLayout& L, float* sm, co
 }
 
 // ------------------------------------------------------------------ products
+
+// Fragment row addresses for ldmatrix: on the device 32-bit shared-window byte addresses, on the
+// host (emulation) element pointers.
+#if defined(__CUDACC__)
+using LeanSa = uint32_t;
+MB_DEV LeanSa lean_sa(const __nv_bfloat16* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+MB_DEV LeanSa lean_sa_add(LeanSa a, int elems) { return a + 2u * static_cast<uint32_t>(elems); }
+template <bool TRANS>
+MB_DEV void lean_ldsm(uint32_t (&r)[4], LeanSa a) {
+  if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  }
+}
+#else
+using LeanSa = const __nv_bfloat16*;
+inline LeanSa lean_sa(const __nv_bfloat16* p) { return p; }
+inline LeanSa lean_sa_add(LeanSa a, int elems) { return a + elems; }
+template <bool TRANS>
+inline void lean_ldsm(uint32_t (&r)[4], LeanSa a) {
+  if constexpr (TRANS) ldsm4t(r, a);
+  else ldsm4(r, a);
+}
+#endif
+
+// warp_mma_16x16 (bf16_split_mma.cuh) over k in [0, 16 nk): the same loads and the same three
+// mma per tile in the same order, but each lane's fragment addresses are formed once and then
+// advance by one add per operand and k-step (warp_mma_16x16 forms them from the row and column
+// indices at every step: ~10 integer instructions per step where 4 LDSM and 6 HMMA do the work).
+template <bool A_KM, bool B_KN>
+MB_DEV void lean_mma(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B, int n0,
+                     int nk) {
+  const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
+  LeanSa pa = lean_sa(A.h + (A_KM ? (lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
+                                  : (m0 + lr + 8 * (lm & 1)) * A.ld + 8 * (lm >> 1)));
+  LeanSa pb = lean_sa(B.h + (B_KN ? (lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
+                                  : (n0 + lr + 8 * (lm >> 1)) * B.ld + 8 * (lm & 1)));
+  const int da = A_KM ? 16 * A.ld : 16, db = B_KN ? 16 * B.ld : 16;
+  for (int s = 0; s < nk; ++s) {
+    uint32_t ah[4], al[4], bh[4], bl[4];
+    lean_ldsm<A_KM>(ah, pa);
+    lean_ldsm<A_KM>(al, lean_sa_add(pa, A.plane));
+    lean_ldsm<B_KN>(bh, pb);
+    lean_ldsm<B_KN>(bl, lean_sa_add(pb, B.plane));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+      mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+      mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+    }
+    pa = lean_sa_add(pa, da);
+    pb = lean_sa_add(pb, db);
+  }
+}
 
 // Sc = mask(Qh Kh^T) (split, into tt.Sc) and the qk_dot output of chunk c.
 template <int NT>
@@ -438,7 +503,7 @@ MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const Lea
     zero_acc(acc);
     // Key steps all after the query steps: the tile is masked to zero.
     const bool live = (n0 >> lgR) <= ((m0 + 15) >> lgR);
-    if (live) warp_mma_16x16<false, false>(acc, tt.Qh, m0, tt.Kh, n0, 0, N);
+    if (live) lean_mma<false, false>(acc, tt.Qh, m0, tt.Kh, n0, N >> 4);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -479,7 +544,7 @@ MB_DEV void lean_y(const MbArgs& a, const MbLayout& L, float* sm, const LeanTile
     const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
     float acc[2][4];
     zero_acc(acc);
-    warp_mma_16x16<false, true>(acc, tt.Qh, m0, tt.St, n0, 0, N);
+    lean_mma<false, true>(acc, tt.Qh, m0, tt.St, n0, N >> 4);
     const float e0 = expda[(m0 + g) >> lgR], e1 = expda[(m0 + g + 8) >> lgR];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -488,7 +553,7 @@ MB_DEV void lean_y(const MbArgs& a, const MbLayout& L, float* sm, const LeanTile
     }
     // Keys up to the tile's last step (Sc is zero past it).
     const int k1 = min(T, (((((m0 + 15) >> lgR) + 1) << lgR) + 15) & ~15);
-    warp_mma_16x16<false, true>(acc, tt.Sc, m0, tt.X, n0, 0, k1);
+    lean_mma<false, true>(acc, tt.Sc, m0, tt.X, n0, k1 >> 4);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int col = n0 + 8 * j + 2 * q;
@@ -650,20 +715,93 @@ struct LeanState {
   float acc[ST][2][4];
 };
 
-// St = e St + Kh^T Xw.
+// St = e St + Kh^T Xw. The k-steps run outermost and the warp's tiles inside: each tile gets
+// the products of one lean_mma per tile in the same order (k ascending, the same three mma per
+// step), but the tiles' independent mma chains interleave, and when P / 16 divides NT / 32
+// (P <= NT / 2) all of a warp's tiles lie in one column block and read the Xw fragments of a
+// k-step once, not once per tile. With 8 tiles (64 accumulators) the shared fragments spill at
+// 512 threads (128 registers): one lean_mma per tile there.
 template <int NT, int ST>
 MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST>& s, float e) {
-  const int lgn = a.lgP - 4, ntiles = (a.N >> 4) << lgn, ntp = a.P >> 4, T = a.Tb;
+  constexpr int NW = NT / 32;
+  const int lgn = a.lgP - 4, ntiles = (a.N >> 4) << lgn, ntp = a.P >> 4, nk = a.Tb >> 4;
+  const int w = mb_tid() >> 5, lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
+  int nj = 0;  // the warp's tiles w + j NW, j < nj (the ones below ntiles: a prefix)
 #pragma unroll
   for (int j = 0; j < ST; ++j) {
-    const int tile = (mb_tid() >> 5) + j * (NT / 32);
+    const int tile = w + j * NW;
     if (tile >= ntiles) break;
+    nj = j + 1;
 #pragma unroll
     for (int x = 0; x < 2; ++x)
 #pragma unroll
       for (int y = 0; y < 4; ++y) s.acc[j][x][y] *= e;
-    warp_mma_16x16<true, true>(s.acc[j], tt.Kh, (tile >> lgn) << 4, tt.Xw, (tile & (ntp - 1)) << 4,
-                               0, T);
+    if constexpr (ST >= 8)
+      lean_mma<true, true>(s.acc[j], tt.Kh, (tile >> lgn) << 4, tt.Xw, (tile & (ntp - 1)) << 4, nk);
+  }
+  if constexpr (ST >= 8) return;
+  const SplitTile& A = tt.Kh;  // [T][N]: k-major, read transposed
+  const SplitTile& B = tt.Xw;  // [T][P]: [k][n], read transposed
+  const bool one_col = (NW & (ntp - 1)) == 0;
+  // Lane addresses at k = 0, row 0 and column 0 (warp_mma_16x16's A_KM / B_KN offsets).
+  const LeanSa a0 = lean_sa(A.h + (lr + 8 * (lm >> 1)) * A.ld + 8 * (lm & 1));
+  const LeanSa b0 = lean_sa(B.h + (lr + 8 * (lm & 1)) * B.ld + 8 * (lm >> 1));
+  if constexpr (ST == 2) {
+    if (one_col && nj == ST) {
+      // Both tiles' fragments first, then each of the three mma stages over both tiles: four
+      // independent accumulator chains between dependent mma instead of two.
+      const LeanSa pb0 = lean_sa_add(b0, (w & (ntp - 1)) << 4);
+      for (int ks = 0; ks < nk; ++ks) {
+        const int ka = (ks * A.ld) << 4, kb = (ks * B.ld) << 4;
+        uint32_t bh[4], bl[4], ah[ST][4], al[ST][4];
+        const LeanSa pb = lean_sa_add(pb0, kb);
+        lean_ldsm<true>(bh, pb);
+        lean_ldsm<true>(bl, lean_sa_add(pb, B.plane));
+#pragma unroll
+        for (int j = 0; j < ST; ++j) {
+          const LeanSa pa = lean_sa_add(a0, ka + (((w + j * NW) >> lgn) << 4));
+          lean_ldsm<true>(ah[j], pa);
+          lean_ldsm<true>(al[j], lean_sa_add(pa, A.plane));
+        }
+#pragma unroll
+        for (int j = 0; j < ST; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) mma16816(s.acc[j][h], al[j], bh[2 * h], bh[2 * h + 1]);
+#pragma unroll
+        for (int j = 0; j < ST; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) mma16816(s.acc[j][h], ah[j], bl[2 * h], bl[2 * h + 1]);
+#pragma unroll
+        for (int j = 0; j < ST; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) mma16816(s.acc[j][h], ah[j], bh[2 * h], bh[2 * h + 1]);
+      }
+      return;
+    }
+  }
+  for (int ks = 0; ks < nk; ++ks) {
+    const int ka = (ks * A.ld) << 4, kb = (ks * B.ld) << 4;
+    uint32_t bh[4], bl[4];
+#pragma unroll
+    for (int j = 0; j < ST; ++j) {
+      if (j >= nj) break;
+      const int tile = w + j * NW;
+      if (j == 0 || !one_col) {
+        const LeanSa pb = lean_sa_add(b0, kb + ((tile & (ntp - 1)) << 4));
+        lean_ldsm<true>(bh, pb);
+        lean_ldsm<true>(bl, lean_sa_add(pb, B.plane));
+      }
+      const LeanSa pa = lean_sa_add(a0, ka + ((tile >> lgn) << 4));
+      uint32_t ah[4], al[4];
+      lean_ldsm<true>(ah, pa);
+      lean_ldsm<true>(al, lean_sa_add(pa, A.plane));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mma16816(s.acc[j][h], al, bh[2 * h], bh[2 * h + 1]);
+        mma16816(s.acc[j][h], ah, bl[2 * h], bl[2 * h + 1]);
+        mma16816(s.acc[j][h], ah, bh[2 * h], bh[2 * h + 1]);
+      }
+    }
   }
 }
 
@@ -731,18 +869,24 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
   for (int j = 0; j < ST; ++j) zero_acc(st.acc[j]);
   float dec = 0.f;
   const int c0 = sub * a.L1, c1 = c0 + a.L1;  // sub-segments never reach the last chunk
+  // Each chunk's scalars and cos / sin table are built during the previous chunk (see
+  // k3_lean_body): one barrier per chunk fewer.
+  chunk_scalars(a, L, sm, k, c0);
+  lean_chunk_angles<NT>(a, L, sm, k, c0);
   for (int c = c0; c < c1; ++c) {
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
-    mb_sync();
-    chunk_scalars(a, L, sm, k, c);
-    lean_chunk_angles<NT>(a, L, sm, k, c);
     mb_sync();
     dec += sm[L.misc + 1];
     const float e = sm[L.misc];
     lean_build_qk<NT, false>(a, L, sm, tt, k, c);
     lean_build_x<NT, false>(a, L, sm, tt, k, c);
     mb_sync();
+    // Chunk c's scalars and table were last read above (before the barrier).
+    if (c + 1 < c1) {
+      chunk_scalars(a, L, sm, k, c + 1);
+      lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+    }
     lean_state_update<NT>(a, tt, st, e);
   }
   float* out = a.ws_local + (static_cast<int64_t>(k.bhi) * a.nsub + sub) * a.N * a.P;
@@ -797,15 +941,20 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
   // The planes of the state entering chunk c0 and states[c0]; each later state's planes and
   // output are written together right after its update (the end of the previous chunk).
   lean_state_out<NT>(a, tt, k, c0, st);
+  // Chunk c's scalars (da, expda, gamma, tscale, wk, misc) and cos / sin table are built during
+  // chunk c - 1, after the barrier that follows their last reads (lean_y), so that their global
+  // loads overlap the other warps' epilogue and state update instead of stalling every warp at
+  // a barrier of their own (the second barrier per chunk before the tile builds).
+  chunk_scalars(a, L, sm, k, c0);
+  lean_chunk_angles<NT>(a, L, sm, k, c0);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
-    chunk_scalars(a, L, sm, k, c);
-    lean_chunk_angles<NT>(a, L, sm, k, c);
-    mb_sync();
-    lean_chunk_weights<NT>(a, L, sm, k, c);
+    // Reversed (see lean_chunk_weights) but with 8 state tiles per warp: <512, 8> sits at its
+    // 128-register limit and spilled with it.
+    lean_chunk_weights<NT, (ST < 8)>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
     lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
     lean_build_x<NT, true>(a, L, sm, tt, k, c);
@@ -814,6 +963,11 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
     mb_sync();
     lean_y<NT>(a, L, sm, tt);
     mb_sync();
+    // The norm statistics and the epilogue read none of the scalar regions nor the table.
+    if (c + 1 < c1) {
+      chunk_scalars(a, L, sm, k, c + 1);
+      lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+    }
     if (a.has_norm) lean_norm_stats<NT>(a, L, sm, Lc);
     lean_epilogue<NT>(a, L, sm, k, s0, Lc);
     // The state planes were last read by lean_y (before the barrier above); the epilogue does
