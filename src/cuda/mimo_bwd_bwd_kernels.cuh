@@ -201,7 +201,7 @@ struct Args {
   int lgtN, lgtP, lgtT;          // log2 of the 16-wide tile counts along N, P, T
   // Planes path: q, k, v, dout, states take pair loads (two consecutive elements of the last dim
   // in one load; see pair_layout), else two scalar loads of the same elements (same values);
-  // dq, dk pair stores likewise.
+  // dq, dk pair stores likewise. vec_q, vec_k, vec_dq, vec_dk: vec_level (2: quads too).
   int vec_q, vec_k, vec_v, vec_dout, vec_states, vec_dq, vec_dk;
 };
 
@@ -998,14 +998,20 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
 // Whether pair loads of t are valid at every even index of its last dim: unit last stride,
 // even other strides, base aligned to a pair (else the planes kernels load the two elements
 // one by one: same values, so the results do not depend on the layout).
-inline bool pair_layout(const TensorView& t) {
-  const uintptr_t pair_bytes = t.dtype == DType::F32 ? 8 : 4;
+inline bool pair_layout(const TensorView& t, int w = 2) {
+  const uintptr_t pair_bytes = (t.dtype == DType::F32 ? 4 : 2) * w;
   if (t.ndim == 0 || t.strides[t.ndim - 1] != 1 ||
       reinterpret_cast<uintptr_t>(t.data) % pair_bytes != 0)
     return false;
   for (int d = 0; d + 1 < t.ndim; ++d)
-    if (t.strides[d] % 2 != 0) return false;
+    if (t.strides[d] % w != 0) return false;
   return true;
+}
+
+// Args::vec_* of t: 2 when quads (four consecutive elements of the last dim at an index that is a
+// multiple of 4) take one load / store, 1 when pairs do (pair_layout), else 0.
+inline int vec_level(const TensorView& t) {
+  return pair_layout(t, 4) ? 2 : pair_layout(t) ? 1 : 0;
 }
 
 inline int ilog2(int64_t x) {  // floor(log2(x)), x >= 1
@@ -1058,9 +1064,9 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   // (From Args rather than derived in the kernel: a kernel parameter is an operand from the
   // constant bank, a derived value takes a register across the planes K3's phases.)
   a.lgtN = std::max(a.lgN - 4, 0), a.lgtP = std::max(a.lgP - 4, 0), a.lgtT = std::max(a.lgT - 4, 0);
-  a.vec_q = pair_layout(p.q), a.vec_k = pair_layout(p.k), a.vec_v = pair_layout(p.v);
+  a.vec_q = vec_level(p.q), a.vec_k = vec_level(p.k), a.vec_v = pair_layout(p.v);
   a.vec_dout = pair_layout(p.dout), a.vec_states = pair_layout(p.states);
-  a.vec_dq = pair_layout(p.dq), a.vec_dk = pair_layout(p.dk);
+  a.vec_dq = vec_level(p.dq), a.vec_dk = vec_level(p.dk);
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
   a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st, a.o_m = pl.o_m;
