@@ -318,6 +318,29 @@ BB_DEV void pair_rows_lin(int nrows, int lgP, int64_t stride, Load load, Store s
   }
 }
 
+// pair_rows over [T][P] rows (row = i R + r) whose source offsets are linear in the step i:
+// load(row, oa, ob, pc) gets oa = i sa and ob = i sb, advanced by one 64-bit add per row, not
+// formed by 64-bit multiplies per row. Needs NT / (P / 2) to be a multiple of R (a thread's
+// rows then all have its rank and step by a constant number of steps: K3, make_plan).
+template <int U, int NT, class Load, class Store>
+BB_DEV void pair_rows_steps(int nrows, int lgP, int lgR, int64_t sa, int64_t sb, Load load,
+                            Store store) {
+  const int lgH = lgP - 1, tid = bb_tid();
+  const int pc = (tid & ((1 << lgH) - 1)) * 2, rs = NT >> lgH;
+  const int64_t da = (rs >> lgR) * sa, db = (rs >> lgR) * sb;
+  int64_t oa0 = ((tid >> lgH) >> lgR) * sa, ob0 = ((tid >> lgH) >> lgR) * sb;
+  for (int r0 = tid >> lgH; r0 < nrows; r0 += U * rs, oa0 += U * da, ob0 += U * db) {
+    decltype(load(0, oa0, ob0, 0)) v[U] = {};
+    int64_t oa = oa0, ob = ob0;
+    BB_UNROLL
+    for (int u = 0; u < U; ++u, oa += da, ob += db)
+      if (r0 + u * rs < nrows) v[u] = load(r0 + u * rs, oa, ob, pc);
+    BB_UNROLL
+    for (int u = 0; u < U; ++u)
+      if (r0 + u * rs < nrows) store(r0 + u * rs, pc, v[u]);
+  }
+}
+
 // (w[h][r][pc], w[h][r][pc + 1]) of an [H][R][P] weight (mimo_v, mimo_o).
 BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
   const int64_t o = int64_t{h} * w.s[0] + r * w.s[1] + pc * w.s[2];
@@ -771,16 +794,17 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const float2 mv = rank_weights(a.mimo_v, h, r_t, pc_t);
       const float2 mo =
           a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
-      pair_rows<4, NT>(
-          T, lgP,
-          [&](int row, int pc) {
+      // Offsets of this thread's step s0 (its rank r_t, its columns pc_t); rows add i strides.
+      const int64_t vb = v0 + int64_t{s0} * a.v.s[1] + pc_t * vs;
+      const int64_t db = dr.base + int64_t{s0} * dr.st + r_t * dr.sr + pc_t * dr.sp;
+      pair_rows_steps<4, NT>(
+          T, lgP, lgR, a.v.s[1], dr.st,
+          [&](int row, int64_t ov, int64_t od, int) {
             XGPair o{};  // zero past the sequence
             if (row < TL) {
-              const int i = row >> lgR, r = row & (R - 1);
-              const float2 vv = ld2_t<bf16_t>(a.v, v0 + (s0 + i) * a.v.s[1] + pc * vs, vs, a.vec_v);
+              const float2 vv = ld2_t<bf16_t>(a.v, vb + ov, vs, a.vec_v);
               o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
-              o.g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
-                              a.vec_dout);
+              o.g = ld2_t<TD>(a.dout, db + od, dr.sp, a.vec_dout);
               if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
             }
             return o;
@@ -1028,7 +1052,12 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const float2* tab = cs_tab();
     const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
     const int64_t dang0 = int64_t{b} * a.dangles.s[0] + int64_t{h} * a.dangles.s[2];
-    for (int e = tid; e < (L << lgH); e += NT) {
+    // This thread's column n is fixed (NT is a multiple of half): its q / k offsets at step s0
+    // + i advance by one 64-bit add per task.
+    const int64_t qstep = int64_t{NT >> lgH} * a.q.s[1], kstep = int64_t{NT >> lgH} * a.k.s[1];
+    int64_t qi = q0 + (s0 + (tid >> lgH)) * a.q.s[1] + (tid & (half - 1)) * qs4;
+    int64_t ki = k0 + (s0 + (tid >> lgH)) * a.k.s[1] + (tid & (half - 1)) * ks4;
+    for (int e = tid; e < (L << lgH); e += NT, qi += qstep, ki += kstep) {
       const int i = e >> lgH, n = e & (half - 1);
       const float ts = s_ts[i];
       const bool rot = n < A;
@@ -1044,8 +1073,6 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       // Biased, unrotated q / k elements (row i R + r, columns n, half + n), exact fp32.
       float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];
       {
-        const int64_t qi = q0 + (s0 + i) * a.q.s[1] + n * qs4;
-        const int64_t ki = k0 + (s0 + i) * a.k.s[1] + n * ks4;
         BB_UNROLL
         for (int r = 0; r < kMaxR; ++r) {
           if (r < R) {
@@ -1105,8 +1132,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int p = tid & (P - 1);
       float mvr[kMaxR];
       BB_UNROLL
+      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0] + p * a.mimo_v.s[2];
       for (int r = 0; r < kMaxR; ++r)
-        mvr[r] = r < R ? ld(a.mimo_v, o3(a.mimo_v, h, r, p)) : 0.f;
+        mvr[r] = r < R ? ld(a.mimo_v, mv0 + r * a.mimo_v.s[1]) : 0.f;
       // (A runtime-dtype store: a few elements per thread, as segsum above.)
       const int64_t dv0 = int64_t{b} * a.dv.s[0] + int64_t{h} * a.dv.s[2] + p * a.dv.s[3];
       const int64_t ds1 = a.dv.s[1];
