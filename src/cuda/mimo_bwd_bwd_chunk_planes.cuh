@@ -176,6 +176,11 @@ BB_DEV DoutRows dout_rows(const Args& a, int b, int h) {
 
 // ------------------------------------------------------------------ planes helpers
 
+// K3's products unroll their k loops 4 times (mimo::warp_mma_16x16's UNROLL): nvcc's own choice
+// for a runtime trip count is a ladder of ~30 k steps of code per call site (~450 instructions,
+// a fifth of K3's code for the instruction cache), of which K3's 2-8 steps per call run a few.
+constexpr int kMmaUnroll = 4;
+
 // The fp32 value of the bits u.
 BB_DEV float u2f(uint32_t u) {
 #if defined(__CUDA_ARCH__)
@@ -258,7 +263,7 @@ template <int Which>
 BB_DEV void inter_chunk_tile(float (&acc)[2][4], const mimo::SplitTile& A, const mimo::SplitTile& Sp,
                              const mimo::SplitTile& V, int m0, int n0, int P, int lgR,
                              const float* f, float* part, int ncol_tiles) {
-  mimo::warp_mma_16x16<false, false>(acc, A, m0, Sp, n0, 0, P);
+  mimo::warp_mma_16x16<false, false, kMmaUnroll>(acc, A, m0, Sp, n0, 0, P);
   tile_row_dots<Which>(V, m0, n0, acc, part, ncol_tiles);
   scale_rows(acc, m0, lgR, f);
 }
@@ -872,9 +877,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       float acc[2][4];
       mimo::zero_acc(acc);
       if (xg)
-        warp_mma_16x16<false, false>(acc, X, m0, Gp, n0, 0, P);
+        warp_mma_16x16<false, false, kMmaUnroll>(acc, X, m0, Gp, n0, 0, P);
       else
-        warp_mma_16x16<false, false>(acc, Kh, m0, Qh, n0, 0, N);
+        warp_mma_16x16<false, false, kMmaUnroll>(acc, Kh, m0, Qh, n0, 0, N);
       store_tile(acc, m0, n0, xg ? XG : KQ, T);
     }
     bb_sync();
@@ -904,7 +909,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         inter_chunk_tile<kPartCs>(accq[u], Gp, Sp, Qh, m0, n0, P, lgR, s_E, part, nN);  // E SG
         // Keys of steps before the tile's last row's step (M1 is zero from there on).
         const int ke = bb_min(T, ((((m0 + 15) >> lgR) << lgR) + 15) & ~15);
-        warp_mma_16x16<false, true>(accq[u], Mc, m0, Kh, n0, 0, ke);
+        warp_mma_16x16<false, true, kMmaUnroll>(accq[u], Mc, m0, Kh, n0, 0, ke);
       }
     }
     bb_sync();  // st and mc are rewritten next
@@ -937,7 +942,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         inter_chunk_tile<kPartRev>(acck[u], X, Sp, Kh, m0, n0, P, lgR, s_F, part, nN);  // F SX
         // Queries of steps after the tile's first row's step.
         const int kb = bb_min(T, ((m0 >> lgR) + 1) << lgR) & ~15;
-        warp_mma_16x16<false, true>(acck[u], Mc, m0, Qh, n0, kb, T);
+        warp_mma_16x16<false, true, kMmaUnroll>(acck[u], Mc, m0, Qh, n0, kb, T);
         tile_row_dots<kPartFac>(Kh, m0, n0, acck[u], part, nN);
       }
     }
@@ -1008,11 +1013,11 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;
       float acc[2][4];
       mimo::zero_acc(acc);
-      warp_mma_16x16<false, true>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
+      warp_mma_16x16<false, true, kMmaUnroll>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
       scale_rows(acc, m0, lgR, s_F);
       scale_rows(acc, m0, lgR, s_ts);
       // From the first row's own step on.
-      warp_mma_16x16<false, true>(acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
+      warp_mma_16x16<false, true, kMmaUnroll>(acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
       store_tile(acc, m0, p0, dx, P);
     }
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
