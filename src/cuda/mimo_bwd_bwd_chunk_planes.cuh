@@ -383,9 +383,9 @@ inline void prefetch_l2(const void*) {}  // a hint: nothing to emulate
 // its next chunk during the current one's phase 3 (why: one CTA per SM, so nothing else overlaps
 // its load phases with DRAM latency; served from L2 they should be ~2x shorter: not measured).
 BB_DEV void prefetch_item(const Args& a, int64_t item) {
-  // 32-bit divisions (B H nch < 2^31: make_plan), not the 64-bit division routine.
-  const int it = static_cast<int>(item), c = it % a.nch, bh = it / a.nch;
-  const int b = bh / a.H, h = bh % a.H, grp = h / a.HG;
+  // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
+  const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
+  const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
   const int R = a.R, lgR = a.lgR, N = a.N, P = a.P, s0 = c * a.C, L = bb_min(a.C, a.S - s0);
   const bool partial = L < a.C;
   const int LR = L * R, nd = a.layout == 0 ? L : LR;
@@ -730,9 +730,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
   for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
-    // 32-bit divisions (B H nch < 2^31: make_plan), not the 64-bit division routine.
-    const int it = static_cast<int>(item), c = it % a.nch, bh = it / a.nch;
-    const int b = bh / a.H, h = bh % a.H, grp = h / a.HG;
+    // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
+    const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
+    const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
     const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), TL = L * R;
     const bool partial = L < C;
     const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;

@@ -175,8 +175,33 @@ struct View {
   int64_t s[5] = {0, 0, 0, 0, 0};
 };
 
+// Division by a runtime divisor d >= 1 of 0 <= n < 2^31 as a multiply-high, an add and a shift
+// (the round-up multiplier m = floor(2^32 (2^s - d) / d) + 1, s = ceil(log2 d); exact for
+// n < 2^32, the sum below does not overflow for n < 2^31): the planes K3 splits its item index
+// into (b, h, c) per chunk, where nvcc's division sequences cost ~20 instructions each.
+struct FastDiv {
+  uint32_t m = 1;
+  int s = 0;
+  BB_DEV int div(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi = __umulhi(m, u);
+#else
+    const uint32_t hi = static_cast<uint32_t>((uint64_t{m} * u) >> 32);
+#endif
+    return static_cast<int>((hi + u) >> s);
+  }
+};
+inline FastDiv fast_div(int64_t d) {  // host
+  FastDiv f;
+  while ((int64_t{1} << f.s) < d) ++f.s;
+  f.m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.s) - d)) / d + 1);
+  return f;
+}
+
 struct Args {
   int B, S, H, G, N, P, R, C, A, half, nch, HG;
+  FastDiv div_nch, div_H, div_HG;  // by nch, H, HG (the planes K3's item decomposition)
   int layout;  // 0 reduce-O, 1 per rank, 2 packed (MimoDout order)
   int has_d;
   View dout, q, k, v, q_bias, k_bias, mimo_v, states, qk_dot, da_cs, da_cs_rev, dt, trap, segsum,
@@ -1035,6 +1060,7 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.G = static_cast<int>(p.G), a.N = static_cast<int>(p.N), a.P = static_cast<int>(p.P);
   a.R = static_cast<int>(p.R), a.C = static_cast<int>(p.C), a.A = static_cast<int>(p.A);
   a.half = a.N / 2, a.nch = static_cast<int>(p.nchunks), a.HG = static_cast<int>(p.H / p.G);
+  a.div_nch = fast_div(a.nch), a.div_H = fast_div(a.H), a.div_HG = fast_div(a.HG);
   a.layout = p.dout_layout == MimoDout::ReduceO ? 0 : p.dout_layout == MimoDout::PerRank ? 1 : 2;
   a.has_d = p.has_d ? 1 : 0;
   a.dout = view_of(p.dout), a.q = view_of(p.q), a.k = view_of(p.k), a.v = view_of(p.v);
