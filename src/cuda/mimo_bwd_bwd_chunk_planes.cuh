@@ -1135,9 +1135,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     {
       // This thread's column p is fixed (NT is a multiple of P): its mimo_v[h][r][p] once.
       const int p = tid & (P - 1);
+      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0] + p * a.mimo_v.s[2];
       float mvr[kMaxR];
       BB_UNROLL
-      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0] + p * a.mimo_v.s[2];
       for (int r = 0; r < kMaxR; ++r)
         mvr[r] = r < R ? ld(a.mimo_v, mv0 + r * a.mimo_v.s[1]) : 0.f;
       // (A runtime-dtype store: a few elements per thread, as segsum above.)
