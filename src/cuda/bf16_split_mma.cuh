@@ -128,23 +128,44 @@ MB_DEV void ldsm_split(uint32_t (&hi)[4], uint32_t (&lo)[4], const SplitTile& t,
 // (multiples of 16). A_KM: A is stored k-major ([k][m], read transposed); else [m][k].
 // B_KN: B is stored [k][n] (read transposed); else [n][k]. Each product is hi*hi + hi*lo +
 // lo*hi. Every lane of the warp calls it with the same arguments.
-template <bool A_KM, bool B_KN>
+// UNROLL > 0: the k loop unrolled UNROLL times (else as the compiler chooses: for a runtime
+// trip count nvcc emits a 16 / 8 / 4 / 2 / 1 ladder of ~30 k steps of code per call site).
+template <bool A_KM, bool B_KN, int UNROLL = 0>
 MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B,
                            int n0, int k0, int k1) {
   const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
-  for (int k = k0; k < k1; k += 16) {
-    const int ao = A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
-                        : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
-    const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
-                        : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
-    uint32_t ah[4], al[4], bh[4], bl[4];
-    ldsm_split<A_KM>(ah, al, A, ao);
-    ldsm_split<B_KN>(bh, bl, B, bo);
+  if constexpr (UNROLL > 0) {
+#pragma unroll UNROLL
+    for (int k = k0; k < k1; k += 16) {
+      const int ao = A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
+                          : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
+      const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
+                          : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
+      uint32_t ah[4], al[4], bh[4], bl[4];
+      ldsm_split<A_KM>(ah, al, A, ao);
+      ldsm_split<B_KN>(bh, bl, B, bo);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
-      mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
-      mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+      for (int j = 0; j < 2; ++j) {
+        mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+        mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+        mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+      }
+    }
+  } else {  // (the same loop; kept verbatim so that the first pass's code is unchanged)
+    for (int k = k0; k < k1; k += 16) {
+      const int ao = A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
+                          : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
+      const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
+                          : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
+      uint32_t ah[4], al[4], bh[4], bl[4];
+      ldsm_split<A_KM>(ah, al, A, ao);
+      ldsm_split<B_KN>(bh, bl, B, bo);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+        mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+        mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+      }
     }
   }
 }

@@ -10,7 +10,9 @@
 // with shifts and masks (Args::lgN, lgP, lgR, lgC), not runtime divisions, hoist the 64-bit
 // stride products out of the inner loops, and load q, k, v, dout and states with compile-time
 // types (runtime dtypes dispatched once per loop, not per element as ld() does), two
-// consecutive elements per load where the layout allows (Args::vec_*).
+// consecutive elements per load where the layout allows (Args::vec_*; four for q, k in K3's
+// rotation and the dq, dk stores). The few-element loops (segsum, qk_dot, dv) keep runtime-dtype
+// accesses: a copy per dtype there only adds code, and K3 is large for the instruction cache.
 //
 // One CTA of kPlanesThreads (16 warps) per SM, grid-stride over the (b, h, chunk) items (the
 // next item's inputs are prefetched to L2 during this one's phase 3); T = C R rows (zero past
@@ -31,6 +33,10 @@
 //            q / k rows these need are reloaded from global memory (L2) instead of kept.
 // Deterministic: fixed tile owners, fixed-order sums, no atomics.
 #pragma once
+
+#include <cstring>
+
+#include <type_traits>
 
 #include "cuda/bf16_split_mma.cuh"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
@@ -131,6 +137,26 @@ BB_DEV void st2_t(const View& v, int64_t off, int64_t st, bool vec, float2 x) {
   }
 }
 
+// Stores x.x .. x.w (rounded to nearest as rt_st) as elements off, off + st, off + 2 st,
+// off + 3 st of a tensor of dtype T: one store of the quad when vec = 2 (Args::vec_dq: st = 1,
+// off a multiple of 4, aligned), two pair stores when 1, else four.
+template <class T>
+BB_DEV void st4_t(const View& v, int64_t off, int64_t st, int vec, float4 x) {
+  if (vec == 2) {
+    if constexpr (sizeof(T) == 4) {
+      *reinterpret_cast<float4*>(reinterpret_cast<float*>(v.p) + off) = x;
+    } else {
+      const uint32_t u0 = bits_of(x.x, DTag<T>{}), u1 = bits_of(x.y, DTag<T>{});
+      const uint32_t u2 = bits_of(x.z, DTag<T>{}), u3 = bits_of(x.w, DTag<T>{});
+      *reinterpret_cast<uint2*>(reinterpret_cast<unsigned short*>(v.p) + off) =
+          make_uint2(u0 | (u1 << 16), u2 | (u3 << 16));
+    }
+  } else {
+    st2_t<T>(v, off, st, vec != 0, make_float2(x.x, x.y));
+    st2_t<T>(v, off + 2 * st, st, vec != 0, make_float2(x.z, x.w));
+  }
+}
+
 // Stores x, rounded to nearest as rt_st, at p (a compile-time dtype).
 BB_DEV void st_t(float* p, float x) { *p = x; }
 BB_DEV void st_t(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
@@ -152,10 +178,31 @@ BB_DEV DoutRows dout_rows(const Args& a, int b, int h) {
 
 // ------------------------------------------------------------------ planes helpers
 
+// K3's products unroll their k loops 4 times (mimo::warp_mma_16x16's UNROLL): nvcc's own choice
+// for a runtime trip count is a ladder of ~30 k steps of code per call site (~450 instructions,
+// a fifth of K3's code for the instruction cache), of which K3's 2-8 steps per call run a few.
+constexpr int kMmaUnroll = 4;
+
+// The fp32 value of the bits u.
+BB_DEV float u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
 // Stores (x.x, x.y) as split pairs (hi = bf16(x), lo = bf16(x - hi)) at elements e, e + 1
-// (e even) of a planes tile: one 4-byte store per plane.
+// (e even) of a planes tile: one 4-byte store per plane. (mimo::st_split2's values, with the hi
+// pair widened back to fp32 by a shift and a mask: __bfloat1622float2 costs two byte permutes.)
 BB_DEV void st_split_pair(const mimo::SplitTile& t, int e, float2 x) {
-  mimo::st_split2(t.h, t.plane, e, x.x, x.y);
+  const uint32_t hi = mimo::bf2_bits(__floats2bfloat162_rn(x.x, x.y));
+  const uint32_t lo = mimo::bf2_bits(
+      __floats2bfloat162_rn(x.x - u2f(hi << 16), x.y - u2f(hi & 0xffff0000u)));
+  *reinterpret_cast<uint32_t*>(t.h + e) = hi;
+  *reinterpret_cast<uint32_t*>(t.h + t.plane + e) = lo;
 }
 
 // hi + lo of elements e, e + 1 (e even; the operand as the products see it): one 4-byte load
@@ -218,7 +265,7 @@ template <int Which>
 BB_DEV void inter_chunk_tile(float (&acc)[2][4], const mimo::SplitTile& A, const mimo::SplitTile& Sp,
                              const mimo::SplitTile& V, int m0, int n0, int P, int lgR,
                              const float* f, float* part, int ncol_tiles) {
-  mimo::warp_mma_16x16<false, false>(acc, A, m0, Sp, n0, 0, P);
+  mimo::warp_mma_16x16<false, false, kMmaUnroll>(acc, A, m0, Sp, n0, 0, P);
   tile_row_dots<Which>(V, m0, n0, acc, part, ncol_tiles);
   scale_rows(acc, m0, lgR, f);
 }
@@ -278,6 +325,29 @@ BB_DEV void pair_rows_lin(int nrows, int lgP, int64_t stride, Load load, Store s
   }
 }
 
+// pair_rows over [T][P] rows (row = i R + r) whose source offsets are linear in the step i:
+// load(row, oa, ob, pc) gets oa = i sa and ob = i sb, advanced by one 64-bit add per row, not
+// formed by 64-bit multiplies per row. Needs NT / (P / 2) to be a multiple of R (a thread's
+// rows then all have its rank and step by a constant number of steps: K3, make_plan).
+template <int U, int NT, class Load, class Store>
+BB_DEV void pair_rows_steps(int nrows, int lgP, int lgR, int64_t sa, int64_t sb, Load load,
+                            Store store) {
+  const int lgH = lgP - 1, tid = bb_tid();
+  const int pc = (tid & ((1 << lgH) - 1)) * 2, rs = NT >> lgH;
+  const int64_t da = (rs >> lgR) * sa, db = (rs >> lgR) * sb;
+  int64_t oa0 = ((tid >> lgH) >> lgR) * sa, ob0 = ((tid >> lgH) >> lgR) * sb;
+  for (int r0 = tid >> lgH; r0 < nrows; r0 += U * rs, oa0 += U * da, ob0 += U * db) {
+    decltype(load(0, oa0, ob0, 0)) v[U] = {};
+    int64_t oa = oa0, ob = ob0;
+    BB_UNROLL
+    for (int u = 0; u < U; ++u, oa += da, ob += db)
+      if (r0 + u * rs < nrows) v[u] = load(r0 + u * rs, oa, ob, pc);
+    BB_UNROLL
+    for (int u = 0; u < U; ++u)
+      if (r0 + u * rs < nrows) store(r0 + u * rs, pc, v[u]);
+  }
+}
+
 // (w[h][r][pc], w[h][r][pc + 1]) of an [H][R][P] weight (mimo_v, mimo_o).
 BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
   const int64_t o = int64_t{h} * w.s[0] + r * w.s[1] + pc * w.s[2];
@@ -324,9 +394,9 @@ inline void prefetch_l2(const void*) {}  // a hint: nothing to emulate
 // its next chunk during the current one's phase 3 (why: one CTA per SM, so nothing else overlaps
 // its load phases with DRAM latency; served from L2 they should be ~2x shorter: not measured).
 BB_DEV void prefetch_item(const Args& a, int64_t item) {
-  // 32-bit divisions (B H nch < 2^31: make_plan), not the 64-bit division routine.
-  const int it = static_cast<int>(item), c = it % a.nch, bh = it / a.nch;
-  const int b = bh / a.H, h = bh % a.H, grp = h / a.HG;
+  // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
+  const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
+  const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
   const int R = a.R, lgR = a.lgR, N = a.N, P = a.P, s0 = c * a.C, L = bb_min(a.C, a.S - s0);
   const bool partial = L < a.C;
   const int LR = L * R, nd = a.layout == 0 ? L : LR;
@@ -376,11 +446,11 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
   }
 }
 
-// One source of rotated_pair_rows: q or k (bf16: make_plan), whether its pair loads apply, its
-// output planes.
+// One source of rotated_pair_rows / rotated_quad_rows: q or k (bf16: make_plan), its load
+// layout (Args::vec_q / vec_k: pair loads when nonzero, quad loads when 2), its output planes.
 struct RotSrc {
   const View* x;
-  bool vec;
+  int vec;
   mimo::SplitTile out;
 };
 
@@ -452,6 +522,112 @@ BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
   }
 }
 
+// Stores the split quad x (hi = bf16(x), lo = bf16(x - hi), as st_split_pair) at elements
+// e .. e + 3 (e a multiple of 4) of a planes tile: one 8-byte store per plane. The hi pair
+// widened back to fp32 by a shift / mask (exact; __bfloat1622float2 costs byte permutes).
+BB_DEV void st_split4(const mimo::SplitTile& t, int e, float4 x) {
+  uint2 hi, lo;
+  hi.x = mimo::bf2_bits(__floats2bfloat162_rn(x.x, x.y));
+  hi.y = mimo::bf2_bits(__floats2bfloat162_rn(x.z, x.w));
+  lo.x = mimo::bf2_bits(
+      __floats2bfloat162_rn(x.x - u2f(hi.x << 16), x.y - u2f(hi.x & 0xffff0000u)));
+  lo.y = mimo::bf2_bits(
+      __floats2bfloat162_rn(x.z - u2f(hi.y << 16), x.w - u2f(hi.y & 0xffff0000u)));
+  *reinterpret_cast<uint2*>(t.h + e) = hi;
+  *reinterpret_cast<uint2*>(t.h + t.plane + e) = lo;
+}
+
+// Elements p[0], p[st], p[2 st], p[3 st] of a bf16 tensor as fp32 (exact): one 8-byte load when
+// vec = 2 (Args::vec_*: st = 1, p 8-byte aligned), else four 2-byte loads (the same values; no
+// third variant for pair layouts: code the instruction cache would hold for rare layouts).
+BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st, int vec) {
+  uint2 u;
+  if (vec == 2) {
+    u = mimo::mb_ldg(reinterpret_cast<const uint2*>(p));
+  } else {
+    u.x = mimo::mb_ldg(p) | (static_cast<uint32_t>(mimo::mb_ldg(p + st)) << 16);
+    u.y = mimo::mb_ldg(p + 2 * st) | (static_cast<uint32_t>(mimo::mb_ldg(p + 3 * st)) << 16);
+  }
+  return make_float4(u2f(u.x << 16), u2f(u.x & 0xffff0000u), u2f(u.y << 16),
+                     u2f(u.y & 0xffff0000u));
+}
+
+// rotated_pair_rows for K3 (q and k, unscaled) with four columns per task: columns n .. n + 3
+// (n a multiple of 4 < half) and their partners half + n .., over the R ranks: 8-byte bf16
+// loads (vec 2), float4 bias reads from shared memory (bias(k, r, n): source k's fp32 biases
+// at columns n .. n + 3 of rank r), 8-byte split stores, one rolled sincosf (inlined four times
+// it is code the instruction cache must hold). Same arithmetic per element as
+// rotated_pair_rows. Needs half % 4 == 0 (N >= 16 on the planes path: make_plan).
+template <int NT, int RG, int NX, class Bias>
+BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
+                              int grp, int s0, int L, float2* tab) {
+  const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 3, lgR = a.lgR;
+  const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 4;
+  const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
+  const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2] + n * as3;
+  for (int i = tid >> lgQ; i < a.C; i += NT >> lgQ) {
+    float sn[4] = {0.f, 0.f, 0.f, 0.f}, cs[4] = {1.f, 1.f, 1.f, 1.f};
+    if (i < L && n < A) {
+      const int64_t ao = ang0 + (s0 + i) * as1;
+      BB_NO_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        float sv = 0.f, cv = 1.f;
+        if (n + j < A) {
+          bb_sincos(ld(a.angles, ao + j * as3), &sv, &cv);
+          if (tab != nullptr) tab[i * A + n + j] = make_float2(sv, cv);
+        }
+        // (Selects, not an indexed array: that would go to local memory.)
+        sn[0] = j == 0 ? sv : sn[0], cs[0] = j == 0 ? cv : cs[0];
+        sn[1] = j == 1 ? sv : sn[1], cs[1] = j == 1 ? cv : cs[1];
+        sn[2] = j == 2 ? sv : sn[2], cs[2] = j == 2 ? cv : cs[2];
+        sn[3] = j == 3 ? sv : sn[3], cs[3] = j == 3 ? cv : cs[3];
+      }
+    }
+    BB_UNROLL
+    for (int k = 0; k < NX; ++k) {
+      const View& x = *src[k].x;
+      const unsigned short* xp = reinterpret_cast<const unsigned short*>(x.p);
+      const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
+      // Rank r's row offset: xrow + r sr, stepped by one add per rank.
+      int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+      for (int r0 = 0; r0 < R; r0 += RG) {
+        float4 x1[RG], x2[RG];  // loads first
+        BB_UNROLL
+        for (int u = 0; u < RG; ++u, o += sr) {
+          const int r = r0 + u;
+          x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (r < R && i < L) {
+            const float4 lo = ld4_bf16(xp + o, sx, src[k].vec);
+            const float4 hi = ld4_bf16(xp + o + hs, sx, src[k].vec);
+            const float4 b1 = bias(k, r, n), b2 = bias(k, r, half + n);
+            x1[u] = make_float4(lo.x + b1.x, lo.y + b1.y, lo.z + b1.z, lo.w + b1.w);
+            x2[u] = make_float4(hi.x + b2.x, hi.y + b2.y, hi.z + b2.z, hi.w + b2.w);
+          }
+        }
+        const mimo::SplitTile& out = src[k].out;
+        BB_UNROLL
+        for (int u = 0; u < RG; ++u) {
+          const int r = r0 + u;
+          if (r < R) {
+            const int row = (i << lgR) + r;
+            float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
+            float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
+            float y1[4], y2[4];
+            BB_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              y1[j] = v1[j], y2[j] = v2[j];
+              if (n + j < A)
+                y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
+            }
+            st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
+            st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
+          }
+        }
+      }
+    }
+  }
+}
+
 // K1 on planes: U_c = sum over the chunk's rows of (E_i qh_i^r) (x) dPhiO_i^r (as increment_body),
 // one CTA of kIncPlanesThreads per (b, h, c), c >= 1; E qh and dPhiO split into planes once, U in
 // 16 x 16 mma tiles (E qh read transposed: the contraction runs along its rows).
@@ -505,7 +681,7 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
     using TB = typename decltype(btag)::type;
     const View& qb = a.q_bias;
     const int64_t sb = qb.s[2], b0 = int64_t{h} * qb.s[0], hs = a.half * sb;
-    const RotSrc src[1] = {{&a.q, a.vec_q != 0, EQ}};
+    const RotSrc src[1] = {{&a.q, a.vec_q, EQ}};
     rotated_pair_rows<NT, 2>(
         a, src,
         [&](int, int r, int n) {
@@ -573,9 +749,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
   for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
-    // 32-bit divisions (B H nch < 2^31: make_plan), not the 64-bit division routine.
-    const int it = static_cast<int>(item), c = it % a.nch, bh = it / a.nch;
-    const int b = bh / a.H, h = bh % a.H, grp = h / a.HG;
+    // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
+    const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
+    const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
     const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), TL = L * R;
     const bool partial = L < C;
     const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
@@ -602,40 +778,35 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     }
     // The chunk's raw segsum [C][C] now, with the planes' loads (why: read per coefficient in
     // the three builds of phase 2, each was an exposed global load); exponentiated below.
-    // (Typed loads: the dtypes dispatched once per loop.)
-    with_dtype(a.segsum.dt, [&](auto wtag) {
-      using TW = typename decltype(wtag)::type;
+    // (Runtime-dtype loads: a few elements per thread, where a loop per dtype would only add
+    // code for the instruction cache.)
+    {
       const int64_t w0 = o3(a.segsum, b, h, c);
       for (int e = tid; e < (C << lgC); e += NT) {
         const int i = e >> lgC, j = e & (C - 1);
         s_W[e] = !partial && j < i && i < L
-                     ? ld_t<TW>(a.segsum, w0 + i * a.segsum.s[3] + j * a.segsum.s[4])
+                     ? ld(a.segsum, w0 + i * a.segsum.s[3] + j * a.segsum.s[4])
                      : 0.f;
       }
-    });
-    with_dtype(a.qk_dot.dt, [&](auto qtag) {
-      using TQ = typename decltype(qtag)::type;
+    }
+    {
       const int64_t qk0 = o3(a.qk_dot, b, h, s0);
       for (int e = tid; e < (L << (2 * lgR)); e += NT) {
         const int i = e >> (2 * lgR), r = (e >> lgR) & (R - 1), r2 = e & (R - 1);
-        s_qk[e] =
-            ld_t<TQ>(a.qk_dot, qk0 + i * a.qk_dot.s[2] + r * a.qk_dot.s[3] + r2 * a.qk_dot.s[4]);
+        s_qk[e] = ld(a.qk_dot, qk0 + i * a.qk_dot.s[2] + r * a.qk_dot.s[3] + r2 * a.qk_dot.s[4]);
       }
-    });
+    }
     // qh, kh: tasks per step and rotation column pair over the R ranks, q and k together (one
     // sincos per angle, kept in tab for phase 3 where it fits); the biases from shared memory.
     bb_sync();  // s_qbias, s_kbias
     {
-      const RotSrc src[2] = {{&a.q, a.vec_q != 0, Qh}, {&a.k, a.vec_k != 0, Kh}};
-      rotated_pair_rows<NT, 4>(
+      const RotSrc src[2] = {{&a.q, a.vec_q, Qh}, {&a.k, a.vec_k, Kh}};
+      rotated_quad_rows<NT, 4>(
           a, src,
           [&](int k, int r, int n) {
-            const float* p = (k == 0 ? qbias() : kbias()) + (r << lgN) + n;
-            const float2 lo = *reinterpret_cast<const float2*>(p);
-            const float2 hi = *reinterpret_cast<const float2*>(p + half);
-            return make_float4(lo.x, lo.y, hi.x, hi.y);
+            return *reinterpret_cast<const float4*>((k == 0 ? qbias() : kbias()) + (r << lgN) + n);
           },
-          b, h, grp, s0, L, nullptr, cs_tab());
+          b, h, grp, s0, L, cs_tab());
     }
     float dd_part = 0.f;
     with_dout_dtype(a.dout.dt, [&](auto dtag) {
@@ -647,31 +818,42 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const float2 mv = rank_weights(a.mimo_v, h, r_t, pc_t);
       const float2 mo =
           a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
-      const float2 mz = a.gate ? rank_weights(a.mimo_z, h, r_t, pc_t) : make_float2(1.f, 1.f);
-      pair_rows<4, NT>(
-          T, lgP,
-          [&](int row, int pc) {
-            XGPair o{};  // zero past the sequence
-            if (row < TL) {
-              const int i = row >> lgR, r = row & (R - 1);
-              const float2 vv = ld2_t<bf16_t>(a.v, v0 + (s0 + i) * a.v.s[1] + pc * vs, vs, a.vec_v);
-              o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
-              o.g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
-                              a.vec_dout);
-              if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
-              if (a.gate) {
-                const float2 gz = z_gate2(a, b, s0 + i, h, pc, mz);
-                o.g.x *= gz.x, o.g.y *= gz.y;
+      // Offsets of this thread's step s0 (its rank r_t, its columns pc_t); rows add i strides.
+      const int64_t vb = v0 + int64_t{s0} * a.v.s[1] + pc_t * vs;
+      const int64_t db = dr.base + int64_t{s0} * dr.st + r_t * dr.sr + pc_t * dr.sp;
+      // The gated rows (the combined backward) two at a time: four at a time, the gate's
+      // registers made ptxas spill; the ungated loop keeps four rows in flight.
+      auto xg_rows = [&](auto rows_tag, auto gate_tag) {
+        constexpr int U = decltype(rows_tag)::value;
+        constexpr bool kGate = decltype(gate_tag)::value;
+        pair_rows_steps<U, NT>(
+            T, lgP, lgR, a.v.s[1], dr.st,
+            [&](int row, int64_t ov, int64_t od, int pc) {
+              XGPair o{};  // zero past the sequence
+              if (row < TL) {
+                const float2 vv = ld2_t<bf16_t>(a.v, vb + ov, vs, a.vec_v);
+                o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
+                o.g = ld2_t<TD>(a.dout, db + od, dr.sp, a.vec_dout);
+                if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
+                if constexpr (kGate) {
+                  const float2 gz = z_gate2(a, b, s0 + (row >> lgR), h, pc,
+                                            rank_weights(a.mimo_z, h, row & (R - 1), pc));
+                  o.g.x *= gz.x, o.g.y *= gz.y;
+                }
               }
-            }
-            return o;
-          },
-          [&](int row, int pc, const XGPair& o) {
-            dd_part += o.g.x * o.x.x;
-            dd_part += o.g.y * o.x.y;
-            st_split_pair(X, row * ldP + pc, o.x);
-            st_split_pair(Gp, row * ldP + pc, o.g);
-          });
+              return o;
+            },
+            [&](int row, int pc, const XGPair& o) {
+              dd_part += o.g.x * o.x.x;
+              dd_part += o.g.y * o.x.y;
+              st_split_pair(X, row * ldP + pc, o.x);
+              st_split_pair(Gp, row * ldP + pc, o.g);
+            });
+      };
+      if (a.gate)
+        xg_rows(std::integral_constant<int, 2>{}, std::true_type{});
+      else
+        xg_rows(std::integral_constant<int, 4>{}, std::false_type{});
     });
     // states[c] to planes; with them the row dots states . dS for DDA (dS, the workspace:
     // [N][P] fp32 at an even element offset), so that the states are read once per chunk.
@@ -729,9 +911,9 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       float acc[2][4];
       mimo::zero_acc(acc);
       if (xg)
-        warp_mma_16x16<false, false>(acc, X, m0, Gp, n0, 0, P);
+        warp_mma_16x16<false, false, kMmaUnroll>(acc, X, m0, Gp, n0, 0, P);
       else
-        warp_mma_16x16<false, false>(acc, Kh, m0, Qh, n0, 0, N);
+        warp_mma_16x16<false, false, kMmaUnroll>(acc, Kh, m0, Qh, n0, 0, N);
       store_tile(acc, m0, n0, xg ? XG : KQ, T);
     }
     bb_sync();
@@ -761,7 +943,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         inter_chunk_tile<kPartCs>(accq[u], Gp, Sp, Qh, m0, n0, P, lgR, s_E, part, nN);  // E SG
         // Keys of steps before the tile's last row's step (M1 is zero from there on).
         const int ke = bb_min(T, ((((m0 + 15) >> lgR) << lgR) + 15) & ~15);
-        warp_mma_16x16<false, true>(accq[u], Mc, m0, Kh, n0, 0, ke);
+        warp_mma_16x16<false, true, kMmaUnroll>(accq[u], Mc, m0, Kh, n0, 0, ke);
       }
     }
     bb_sync();  // st and mc are rewritten next
@@ -794,7 +976,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         inter_chunk_tile<kPartRev>(acck[u], X, Sp, Kh, m0, n0, P, lgR, s_F, part, nN);  // F SX
         // Queries of steps after the tile's first row's step.
         const int kb = bb_min(T, ((m0 >> lgR) + 1) << lgR) & ~15;
-        warp_mma_16x16<false, true>(acck[u], Mc, m0, Qh, n0, kb, T);
+        warp_mma_16x16<false, true, kMmaUnroll>(acck[u], Mc, m0, Qh, n0, kb, T);
         tile_row_dots<kPartFac>(Kh, m0, n0, acck[u], part, nN);
       }
     }
@@ -865,11 +1047,11 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;
       float acc[2][4];
       mimo::zero_acc(acc);
-      warp_mma_16x16<false, true>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
+      warp_mma_16x16<false, true, kMmaUnroll>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
       scale_rows(acc, m0, lgR, s_F);
       scale_rows(acc, m0, lgR, s_ts);
       // From the first row's own step on.
-      warp_mma_16x16<false, true>(acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
+      warp_mma_16x16<false, true, kMmaUnroll>(acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
       store_tile(acc, m0, p0, dx, P);
     }
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
@@ -909,7 +1091,12 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const float2* tab = cs_tab();
     const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
     const int64_t dang0 = int64_t{b} * a.dangles.s[0] + int64_t{h} * a.dangles.s[2];
-    for (int e = tid; e < (L << lgH); e += NT) {
+    // This thread's column n is fixed (NT is a multiple of half): its q / k offsets at step s0
+    // + i advance by one 64-bit add per task.
+    const int64_t qstep = int64_t{NT >> lgH} * a.q.s[1], kstep = int64_t{NT >> lgH} * a.k.s[1];
+    int64_t qi = q0 + (s0 + (tid >> lgH)) * a.q.s[1] + (tid & (half - 1)) * qs4;
+    int64_t ki = k0 + (s0 + (tid >> lgH)) * a.k.s[1] + (tid & (half - 1)) * ks4;
+    for (int e = tid; e < (L << lgH); e += NT, qi += qstep, ki += kstep) {
       const int i = e >> lgH, n = e & (half - 1);
       const float ts = s_ts[i];
       const bool rot = n < A;
@@ -925,8 +1112,6 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       // Biased, unrotated q / k elements (row i R + r, columns n, half + n), exact fp32.
       float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];
       {
-        const int64_t qi = q0 + (s0 + i) * a.q.s[1] + n * qs4;
-        const int64_t ki = k0 + (s0 + i) * a.k.s[1] + n * ks4;
         BB_UNROLL
         for (int r = 0; r < kMaxR; ++r) {
           if (r < R) {
@@ -984,23 +1169,21 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     {
       // This thread's column p is fixed (NT is a multiple of P): its mimo_v[h][r][p] once.
       const int p = tid & (P - 1);
+      const int64_t mv0 = int64_t{h} * a.mimo_v.s[0] + p * a.mimo_v.s[2];
       float mvr[kMaxR];
       BB_UNROLL
       for (int r = 0; r < kMaxR; ++r)
-        mvr[r] = r < R ? ld(a.mimo_v, o3(a.mimo_v, h, r, p)) : 0.f;
-      with_dtype(a.dv.dt, [&](auto vtag) {
-        using TV = typename decltype(vtag)::type;
-        TV* dvp = reinterpret_cast<TV*>(a.dv.p) + int64_t{b} * a.dv.s[0] +
-                  int64_t{h} * a.dv.s[2] + p * a.dv.s[3];
-        const int64_t ds1 = a.dv.s[1];
-        for (int i = tid >> lgP; i < L; i += NT >> lgP) {
-          float acc = 0.f;
-          BB_UNROLL
-          for (int r = 0; r < kMaxR; ++r)
-            if (r < R) acc += dx[(((i << lgR) + r) << lgP) + p] * mvr[r];
-          st_t(dvp + (s0 + i) * ds1, acc);
-        }
-      });
+        mvr[r] = r < R ? ld(a.mimo_v, mv0 + r * a.mimo_v.s[1]) : 0.f;
+      // (A runtime-dtype store: a few elements per thread, as segsum above.)
+      const int64_t dv0 = int64_t{b} * a.dv.s[0] + int64_t{h} * a.dv.s[2] + p * a.dv.s[3];
+      const int64_t ds1 = a.dv.s[1];
+      for (int i = tid >> lgP; i < L; i += NT >> lgP) {
+        float acc = 0.f;
+        BB_UNROLL
+        for (int r = 0; r < kMaxR; ++r)
+          if (r < R) acc += dx[(((i << lgR) + r) << lgP) + p] * mvr[r];
+        st(a.dv, dv0 + (s0 + i) * ds1, acc);
+      }
     }
     for (int e = tid; e < (R << lgP); e += NT) {
       const int r = e >> lgP, p = e & (P - 1);
@@ -1011,25 +1194,35 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }
     bb_sync();  // DQ, DK complete in dqh, dkh
-    // Their valid rows (row = i R + r: output row (s0 + i) R + r = s0 R + row) to dq, dk with
-    // typed pair stores (the output dtype dispatched once per loop, not per element as st()).
-    auto store_rows = [&](const View& out, const float* src, bool vec) {
-      with_dtype(out.dt, [&](auto otag) {
-        using TO = typename decltype(otag)::type;
-        const int64_t o0 = int64_t{b} * out.s[0] + int64_t{h} * out.s[2], sn = out.s[3];
-        const int64_t o1 = o0 + int64_t{s0} * R * out.s[1];
-        pair_rows_lin<4, NT>(
-            TL, lgN, out.s[1],
-            [&](int row, int64_t, int nc) {
-              return *reinterpret_cast<const float2*>(src + (row << lgN) + nc);
-            },
-            [&](int, int64_t off, int nc, float2 v) {
-              st2_t<TO>(out, o1 + off + nc * sn, sn, vec, v);
-            });
-      });
+    // Their valid rows (row = i R + r: output row (s0 + i) R + r = s0 R + row) to dq and dk in
+    // one loop, four columns per task (one float4 read per source, one store per quad where the
+    // layout allows: Args::vec_dq, vec_dk), the output dtype dispatched once (dq and dk share
+    // it in every call of the op; else runtime-dtype stores per element).
+    auto store_dq_dk = [&](auto store4) {
+      const int lgQ = lgN - 2, nc = (tid & ((1 << lgQ) - 1)) * 4, rs = NT >> lgQ;
+      const View &vq = a.dq, &vk = a.dk;
+      const int64_t sq = vq.s[1], sk = vk.s[1], snq = vq.s[3], snk = vk.s[3];
+      const int64_t row0 = int64_t{s0} * R + (tid >> lgQ);
+      int64_t oq = int64_t{b} * vq.s[0] + int64_t{h} * vq.s[2] + row0 * sq + nc * snq;
+      int64_t ok = int64_t{b} * vk.s[0] + int64_t{h} * vk.s[2] + row0 * sk + nc * snk;
+      for (int row = tid >> lgQ; row < TL; row += rs, oq += rs * sq, ok += rs * sk) {
+        const int e = (row << lgN) + nc;
+        store4(vq, oq, snq, a.vec_dq, *reinterpret_cast<const float4*>(dqh + e));
+        store4(vk, ok, snk, a.vec_dk, *reinterpret_cast<const float4*>(dkh + e));
+      }
     };
-    store_rows(a.dq, dqh, a.vec_dq);
-    store_rows(a.dk, dkh, a.vec_dk);
+    if (a.dq.dt == a.dk.dt) {
+      with_dtype(a.dq.dt, [&](auto otag) {
+        using TO = typename decltype(otag)::type;
+        store_dq_dk([&](const View& v, int64_t off, int64_t sn, int vec, float4 x) {
+          st4_t<TO>(v, off, sn, vec, x);
+        });
+      });
+    } else {
+      store_dq_dk([&](const View& v, int64_t off, int64_t sn, int, float4 x) {
+        st(v, off, x.x), st(v, off + sn, x.y), st(v, off + 2 * sn, x.z), st(v, off + 3 * sn, x.w);
+      });
+    }
     bb_sync();  // shared memory is rewritten for the next chunk
   }
 }

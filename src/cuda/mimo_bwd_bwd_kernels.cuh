@@ -175,8 +175,33 @@ struct View {
   int64_t s[5] = {0, 0, 0, 0, 0};
 };
 
+// Division by a runtime divisor d >= 1 of 0 <= n < 2^31 as a multiply-high, an add and a shift
+// (the round-up multiplier m = floor(2^32 (2^s - d) / d) + 1, s = ceil(log2 d); exact for
+// n < 2^32, the sum below does not overflow for n < 2^31): the planes K3 splits its item index
+// into (b, h, c) per chunk, where nvcc's division sequences cost ~20 instructions each.
+struct FastDiv {
+  uint32_t m = 1;
+  int s = 0;
+  BB_DEV int div(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi = __umulhi(m, u);
+#else
+    const uint32_t hi = static_cast<uint32_t>((uint64_t{m} * u) >> 32);
+#endif
+    return static_cast<int>((hi + u) >> s);
+  }
+};
+inline FastDiv fast_div(int64_t d) {  // host
+  FastDiv f;
+  while ((int64_t{1} << f.s) < d) ++f.s;
+  f.m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.s) - d)) / d + 1);
+  return f;
+}
+
 struct Args {
   int B, S, H, G, N, P, R, C, A, half, nch, HG;
+  FastDiv div_nch, div_H, div_HG;  // by nch, H, HG (the planes K3's item decomposition)
   int layout;  // 0 reduce-O, 1 per rank, 2 packed (MimoDout order)
   int has_d;
   int gate;  // dPhiO carries the combined backward's Z gate (z_gate)
@@ -203,10 +228,9 @@ struct Args {
   int lgtN, lgtP, lgtT;          // log2 of the 16-wide tile counts along N, P, T
   // Planes path: q, k, v, dout, states take pair loads (two consecutive elements of the last dim
   // in one load; see pair_layout), else two scalar loads of the same elements (same values);
-  // dq, dk pair stores likewise.
+  // dq, dk pair stores likewise. vec_q, vec_k, vec_dq, vec_dk: vec_level (2: quads too).
   int vec_q, vec_k, vec_v, vec_dout, vec_states, vec_dq, vec_dk;
   int bf16_z_pairs;  // Args::gate with a bf16 z in pair layout: one 4-byte load per pair
-
 };
 
 // K3's shared memory (per CTA).
@@ -1021,14 +1045,20 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
 // Whether pair loads of t are valid at every even index of its last dim: unit last stride,
 // even other strides, base aligned to a pair (else the planes kernels load the two elements
 // one by one: same values, so the results do not depend on the layout).
-inline bool pair_layout(const TensorView& t) {
-  const uintptr_t pair_bytes = t.dtype == DType::F32 ? 8 : 4;
+inline bool pair_layout(const TensorView& t, int w = 2) {
+  const uintptr_t pair_bytes = (t.dtype == DType::F32 ? 4 : 2) * w;
   if (t.ndim == 0 || t.strides[t.ndim - 1] != 1 ||
       reinterpret_cast<uintptr_t>(t.data) % pair_bytes != 0)
     return false;
   for (int d = 0; d + 1 < t.ndim; ++d)
-    if (t.strides[d] % 2 != 0) return false;
+    if (t.strides[d] % w != 0) return false;
   return true;
+}
+
+// Args::vec_* of t: 2 when quads (four consecutive elements of the last dim at an index that is a
+// multiple of 4) take one load / store, 1 when pairs do (pair_layout), else 0.
+inline int vec_level(const TensorView& t) {
+  return pair_layout(t, 4) ? 2 : pair_layout(t) ? 1 : 0;
 }
 
 inline int ilog2(int64_t x) {  // floor(log2(x)), x >= 1
@@ -1052,6 +1082,7 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.G = static_cast<int>(p.G), a.N = static_cast<int>(p.N), a.P = static_cast<int>(p.P);
   a.R = static_cast<int>(p.R), a.C = static_cast<int>(p.C), a.A = static_cast<int>(p.A);
   a.half = a.N / 2, a.nch = static_cast<int>(p.nchunks), a.HG = static_cast<int>(p.H / p.G);
+  a.div_nch = fast_div(a.nch), a.div_H = fast_div(a.H), a.div_HG = fast_div(a.HG);
   a.layout = p.dout_layout == MimoDout::ReduceO ? 0 : p.dout_layout == MimoDout::PerRank ? 1 : 2;
   a.has_d = p.has_d ? 1 : 0;
   a.gate = p.z.present() ? 1 : 0;
@@ -1083,9 +1114,9 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   // (From Args rather than derived in the kernel: a kernel parameter is an operand from the
   // constant bank, a derived value takes a register across the planes K3's phases.)
   a.lgtN = std::max(a.lgN - 4, 0), a.lgtP = std::max(a.lgP - 4, 0), a.lgtT = std::max(a.lgT - 4, 0);
-  a.vec_q = pair_layout(p.q), a.vec_k = pair_layout(p.k), a.vec_v = pair_layout(p.v);
+  a.vec_q = vec_level(p.q), a.vec_k = vec_level(p.k), a.vec_v = pair_layout(p.v);
   a.vec_dout = pair_layout(p.dout), a.vec_states = pair_layout(p.states);
-  a.vec_dq = pair_layout(p.dq), a.vec_dk = pair_layout(p.dk);
+  a.vec_dq = vec_level(p.dq), a.vec_dk = vec_level(p.dk);
   a.bf16_z_pairs = a.gate && p.z.dtype == DType::BF16 && pair_layout(p.z);
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
