@@ -245,7 +245,7 @@ MAMBA3_API mamba3_status mamba3_mimo_bwd_bwd(
  *   dnorm_weight [H,P]        f32 exactly with norm_weight (summed over batch and rank)
  * Meaning: golden/include/mamba3_golden/mimo_bwd_bwd.hpp (mimo_bwd_combined). The first pass's
  * intermediates are the backend's scratch: float32 in the workspace on CUDA (its size from
- * mamba3_mimo_bwd_combined_workspace_size, about 1.4 GB at B=4 S=2048 H=16 N=128 P=64 R=4 C=16:
+ * mamba3_mimo_bwd_combined_workspace_size, about 1.15 GB at B=4 S=2048 H=16 N=128 P=64 R=4 C=16:
  * the state per chunk, the per-head dq / dk and the second pass's own scratch;
  * none on the CPU).
  * ------------------------------------------------------------------------------------------- */
