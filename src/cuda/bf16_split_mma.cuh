@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define MB_DEV __device__ __forceinline__
@@ -124,6 +125,49 @@ MB_DEV void ldsm_split(uint32_t (&hi)[4], uint32_t (&lo)[4], const SplitTile& t,
   }
 }
 
+// The fp32 value of the bits u.
+MB_DEV float mb_u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// Four raw bf16 as fp32 (exact): a shift or a mask each, not the compiler's byte permutes.
+MB_DEV float4 bf4_f(uint2 u) {
+  return make_float4(mb_u2f(u.x << 16), mb_u2f(u.x & 0xffff0000u), mb_u2f(u.y << 16),
+                     mb_u2f(u.y & 0xffff0000u));
+}
+
+// split2 (same values) with the bf16 -> fp32 widening of the hi pair as bit operations (a shift
+// and a mask): through __bfloat1622float2 the compiler spends two extra byte permutes per pair.
+MB_DEV void split2f(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = bf2_bits(__floats2bfloat162_rn(x0, x1));
+  lo = bf2_bits(__floats2bfloat162_rn(x0 - mb_u2f(hi << 16), x1 - mb_u2f(hi & 0xffff0000u)));
+}
+
+// One k-step of warp_mma_16x16 (lane row lr = lane & 7, matrix lm = lane >> 3).
+template <bool A_KM, bool B_KN>
+MB_DEV void mma_kstep(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B, int n0,
+                      int k, int lr, int lm) {
+  const int ao = A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
+                      : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
+  const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
+                      : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
+  uint32_t ah[4], al[4], bh[4], bl[4];
+  ldsm_split<A_KM>(ah, al, A, ao);
+  ldsm_split<B_KN>(bh, bl, B, bo);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+    mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+    mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+  }
+}
+
 // acc[j] (16 x 8 C fragments at rows m0.., columns n0 + 8j, j < 2) += A B over k in [k0, k1)
 // (multiples of 16). A_KM: A is stored k-major ([k][m], read transposed); else [m][k].
 // B_KN: B is stored [k][n] (read transposed); else [n][k]. Each product is hi*hi + hi*lo +
@@ -137,35 +181,11 @@ MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const
   if constexpr (UNROLL > 0) {
 #pragma unroll UNROLL
     for (int k = k0; k < k1; k += 16) {
-      const int ao = A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
-                          : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
-      const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
-                          : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
-      uint32_t ah[4], al[4], bh[4], bl[4];
-      ldsm_split<A_KM>(ah, al, A, ao);
-      ldsm_split<B_KN>(bh, bl, B, bo);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
-        mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
-        mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
-      }
+      mma_kstep<A_KM, B_KN>(acc, A, m0, B, n0, k, lr, lm);
     }
-  } else {  // (the same loop; kept verbatim so that the first pass's code is unchanged)
+  } else {
     for (int k = k0; k < k1; k += 16) {
-      const int ao = A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
-                          : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
-      const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
-                          : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
-      uint32_t ah[4], al[4], bh[4], bl[4];
-      ldsm_split<A_KM>(ah, al, A, ao);
-      ldsm_split<B_KN>(bh, bl, B, bo);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
-        mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
-        mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
-      }
+      mma_kstep<A_KM, B_KN>(acc, A, m0, B, n0, k, lr, lm);
     }
   }
 }

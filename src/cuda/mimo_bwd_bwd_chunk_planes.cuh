@@ -34,7 +34,6 @@
 // Deterministic: fixed tile owners, fixed-order sums, no atomics.
 #pragma once
 
-#include <cstring>
 
 #include <type_traits>
 
@@ -183,24 +182,13 @@ BB_DEV DoutRows dout_rows(const Args& a, int b, int h) {
 // a fifth of K3's code for the instruction cache), of which K3's 2-8 steps per call run a few.
 constexpr int kMmaUnroll = 4;
 
-// The fp32 value of the bits u.
-BB_DEV float u2f(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
 
 // Stores (x.x, x.y) as split pairs (hi = bf16(x), lo = bf16(x - hi)) at elements e, e + 1
 // (e even) of a planes tile: one 4-byte store per plane. (mimo::st_split2's values, with the hi
 // pair widened back to fp32 by a shift and a mask: __bfloat1622float2 costs two byte permutes.)
 BB_DEV void st_split_pair(const mimo::SplitTile& t, int e, float2 x) {
-  const uint32_t hi = mimo::bf2_bits(__floats2bfloat162_rn(x.x, x.y));
-  const uint32_t lo = mimo::bf2_bits(
-      __floats2bfloat162_rn(x.x - u2f(hi << 16), x.y - u2f(hi & 0xffff0000u)));
+  uint32_t hi, lo;
+  mimo::split2f(x.x, x.y, hi, lo);
   *reinterpret_cast<uint32_t*>(t.h + e) = hi;
   *reinterpret_cast<uint32_t*>(t.h + t.plane + e) = lo;
 }
@@ -527,12 +515,8 @@ BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
 // widened back to fp32 by a shift / mask (exact; __bfloat1622float2 costs byte permutes).
 BB_DEV void st_split4(const mimo::SplitTile& t, int e, float4 x) {
   uint2 hi, lo;
-  hi.x = mimo::bf2_bits(__floats2bfloat162_rn(x.x, x.y));
-  hi.y = mimo::bf2_bits(__floats2bfloat162_rn(x.z, x.w));
-  lo.x = mimo::bf2_bits(
-      __floats2bfloat162_rn(x.x - u2f(hi.x << 16), x.y - u2f(hi.x & 0xffff0000u)));
-  lo.y = mimo::bf2_bits(
-      __floats2bfloat162_rn(x.z - u2f(hi.y << 16), x.w - u2f(hi.y & 0xffff0000u)));
+  mimo::split2f(x.x, x.y, hi.x, lo.x);
+  mimo::split2f(x.z, x.w, hi.y, lo.y);
   *reinterpret_cast<uint2*>(t.h + e) = hi;
   *reinterpret_cast<uint2*>(t.h + t.plane + e) = lo;
 }
@@ -548,8 +532,7 @@ BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st, int vec) {
     u.x = mimo::mb_ldg(p) | (static_cast<uint32_t>(mimo::mb_ldg(p + st)) << 16);
     u.y = mimo::mb_ldg(p + 2 * st) | (static_cast<uint32_t>(mimo::mb_ldg(p + 3 * st)) << 16);
   }
-  return make_float4(u2f(u.x << 16), u2f(u.x & 0xffff0000u), u2f(u.y << 16),
-                     u2f(u.y & 0xffff0000u));
+  return mimo::bf4_f(u);
 }
 
 // rotated_pair_rows for K3 (q and k, unscaled) with four columns per task: columns n .. n + 3

@@ -22,7 +22,6 @@
 // Scores = Qh Kh^T; Y = diag(exp(da_cs)) Qh St + Sc X; St' = e St + Kh^T Xw.
 #pragma once
 
-#include <cstring>
 #include <type_traits>
 
 #include "cuda/bf16_split_mma.cuh"
@@ -138,32 +137,9 @@ MB_DEV void with_ld(int lm, F&& f) {
   else f(std::integral_constant<int, 0>{});
 }
 
-MB_DEV float mb_u2f(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-
-// Four raw bf16 as fp32 (exact): a shift or a mask each, not the compiler's byte permutes.
-MB_DEV float4 bf4_f(uint2 u) {
-  return make_float4(mb_u2f(u.x << 16), mb_u2f(u.x & 0xffff0000u), mb_u2f(u.y << 16),
-                     mb_u2f(u.y & 0xffff0000u));
-}
-
 // Element e of a staged bf16 row region.
 MB_DEV float st_bf(const float* region, int e) {
   return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(region)[e]);
-}
-
-// split2 (same values) with the bf16 -> fp32 widening of the hi pair as bit operations (a shift
-// and a mask): through __bfloat1622float2 the compiler spends two extra byte permutes per pair.
-MB_DEV void split2f(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  hi = bf2_bits(__floats2bfloat162_rn(x0, x1));
-  lo = bf2_bits(__floats2bfloat162_rn(x0 - mb_u2f(hi << 16), x1 - mb_u2f(hi & 0xffff0000u)));
 }
 
 // st_split2 with split2f.
