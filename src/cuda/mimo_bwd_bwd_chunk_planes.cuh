@@ -445,15 +445,14 @@ struct RotSrc {
 // The rotated, biased rows of NX sources (q; or q and k) of one step i as split planes, scaled
 // by scale[i] (nullptr: unscaled), one task per step and column pair (n, n + 1), n even < half,
 // with its rotation partners (half + n, half + n + 1), over the R ranks: rows i R + r of each
-// source's planes (zero past the sequence). The sources of a task share its sin / cos (one
-// sincosf per angle for q and k), which it also writes to tab[i A + n] when tab is given (for
-// phase 3). bias(k, r, n): (b[n], b[n + 1], b[half + n], b[half + n + 1]) of source k, rank r.
+// source's planes (zero past the sequence). The sources of a task share its sin / cos (K1: q
+// only; K3 uses rotated_quad_rows, which also keeps the table). bias(k, r, n): (b[n], b[n + 1], b[half + n], b[half + n + 1]) of source k, rank r.
 // Each thread keeps its column pair (NT is a multiple of half / 2), steps strided. Loads of RG
 // ranks are issued before their stores (more loads in flight per thread). Same arithmetic per
 // element as the scalar (n, half + n) tasks they replace.
 template <int NT, int RG, int NX, class Bias>
 BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
-                              int grp, int s0, int L, const float* scale, float2* tab) {
+                              int grp, int s0, int L, const float* scale) {
   const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 2, lgR = a.lgR;
   const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 2;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
@@ -464,10 +463,6 @@ BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
       const int64_t ao = ang0 + (s0 + i) * as1;
       if (n < A) bb_sincos(ld(a.angles, ao), &sn.x, &cs.x);
       if (n + 1 < A) bb_sincos(ld(a.angles, ao + as3), &sn.y, &cs.y);
-      if (tab != nullptr) {
-        if (n < A) tab[i * A + n] = make_float2(sn.x, cs.x);
-        if (n + 1 < A) tab[i * A + n + 1] = make_float2(sn.y, cs.y);
-      }
     }
     const float E = scale != nullptr ? (i < L ? scale[i] : 0.f) : 1.f;
     BB_UNROLL
@@ -672,7 +667,7 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
           return make_float4(ld_t<TB>(qb, ob), ld_t<TB>(qb, ob + sb), ld_t<TB>(qb, ob + hs),
                              ld_t<TB>(qb, ob + hs + sb));
         },
-        b, h, grp, s0, L, s_E, nullptr);
+        b, h, grp, s0, L, s_E);
   });
   bb_sync();
   float* U = a.ws_ds + item * static_cast<int64_t>(N) * P;
