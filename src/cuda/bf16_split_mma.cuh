@@ -107,6 +107,13 @@ void ldsm4t(uint32_t (&r)[4], const __nv_bfloat16* p);
 void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 #endif
 
+// An L2 prefetch of the line holding p (a hint; nothing to emulate on the host).
+#if defined(__CUDA_ARCH__)
+MB_DEV void mb_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#else
+inline void mb_prefetch_l2(const void*) {}
+#endif
+
 // A split tile in shared memory: hi plane at h, lo plane `plane` elements later, row stride ld.
 struct SplitTile {
   __nv_bfloat16* h;

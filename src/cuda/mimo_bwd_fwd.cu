@@ -105,6 +105,16 @@ const std::string& lean_nt_env() {
   return v;
 }
 
+// MAMBA3_MIMO_PREFETCH=0: the lean kernels do not ask L2 for their next chunk's rows (A/B runs;
+// results are identical either way).
+bool prefetch_env() {
+  static const bool on = [] {
+    const char* s = std::getenv("MAMBA3_MIMO_PREFETCH");
+    return s == nullptr || s[0] != '0';
+  }();
+  return on;
+}
+
 mimo::MbPlan plan_for(const MimoBwdFwdParams& p) {
   // Every index the kernels form in 32 bits stays far below INT_MAX under these bounds.
   MAMBA3_CHECK_ARG(p.S <= (int64_t{1} << 30) && p.B * p.H <= (int64_t{1} << 24),
@@ -137,6 +147,7 @@ void mimo_bwd_fwd(const MimoBwdFwdParams& p, void* workspace, size_t workspace_b
   MbArgs a{};
   mimo::mb_set_tensors(p, &a);
   mimo::apply_plan(mimo::mb_problem(p), pl, workspace, &a);
+  if (!prefetch_env()) a.prefetch = 0;
 
   const int64_t BH = p.B * p.H;
   if (pl.nseg > 1) {

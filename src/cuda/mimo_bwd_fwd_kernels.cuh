@@ -150,6 +150,7 @@ struct MbArgs {
   int states_vec4;  // states rows take aligned 4-element stores (see write_state)
   int lean_vec;     // the lean path's bf16 inputs take 4-byte pair loads
   int lean_ld;      // the lean path's loads of 4 bf16: 2 one 8-byte, 1 two 4-byte, 0 four 2-byte
+  int prefetch;     // the lean K1 / K3 ask L2 for their next chunk's rows (lean_prefetch_chunk)
   int scal_f32;  // da_cs, da_cs_rev, dt and trap are all float32 (typed loads)
   int lgR;  // log2(R) when R is a power of two (the lean path), else -1
   int lgP;  // log2(P) when P is a power of two (the lean path), else -1
@@ -1568,6 +1569,7 @@ inline void apply_plan(const MbProblem& pr, const MbPlan& pl, void* ws, MbArgs* 
   a->act_dt = pr.act_dt;
   a->lean_vec = pr.lean_vec;
   a->lean_ld = pr.lean_vec4 ? 2 : pr.lean_vec ? 1 : 0;
+  a->prefetch = 1;  // the host entry may turn it off (MAMBA3_MIMO_PREFETCH=0)
   a->scal_f32 = a->da_cs.dt == 2 && a->da_cs_rev.dt == 2 && a->dt.dt == 2 && a->trap.dt == 2;
   a->lgR = -1;
   for (int l = 0; l < 4; ++l)
