@@ -371,11 +371,7 @@ BB_DEV RankWeights thread_rank_weights(const View& w, int h, int R, int lgP, boo
   return rw;
 }
 
-#if defined(__CUDA_ARCH__)
-BB_DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-#else
-inline void prefetch_l2(const void*) {}  // a hint: nothing to emulate
-#endif
+using mimo::mb_prefetch_l2;  // (bf16_split_mma.cuh, shared with the first pass)
 
 // Asks L2 for the inputs of chunk `item` (q, k rows, v, dPhiO rows, states[c], dS_c, segsum and
 // angle rows, per-step scalars), one request per 128-byte line of each row. Called by a CTA for
@@ -398,7 +394,7 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
   const int total = g_t + static_cast<int>((NP + 31) / 32);
   for (int e = bb_tid(); e < total; e += kPlanesThreads) {
     if (e >= g_t) {
-      prefetch_l2(a.ws_ds + item * NP + static_cast<int64_t>(e - g_t) * 32);
+      mb_prefetch_l2(a.ws_ds + item * NP + static_cast<int64_t>(e - g_t) * 32);
       continue;
     }
     const View* v;
@@ -430,7 +426,7 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
     const int es = v->dt == 2 ? 4 : 2;
     const int64_t span = (stride < 0 ? -stride : stride) * es;
     const int step = span >= 128 || span == 0 ? 1 : static_cast<int>(128 / span);
-    for (int k = 0; k < cnt; k += step) prefetch_l2(v->p + (off + k * stride) * es);
+    for (int k = 0; k < cnt; k += step) mb_prefetch_l2(v->p + (off + k * stride) * es);
   }
 }
 
