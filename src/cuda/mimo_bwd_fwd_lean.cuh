@@ -592,10 +592,21 @@ MB_DEV void lean_y(const MbArgs& a, const MbLayout& L, float* sm, const LeanTile
 struct LeanGate {
   float u, gate, dsilu;
 };
+// The sigmoid with the approximate division (rcp.approx and a multiply, ~2 ulp), as silu_f of
+// the second pass: the IEEE division was a multi-instruction sequence with a slow-path branch
+// per (t, r, p) element, ~5% of the chunk pass's instructions (ncu). Its ~1e-7 relative error
+// is far below the outputs' tolerances. The host emulation (no __fdividef) divides exactly.
+// FAST false (the 8-tile states, at their 128-register limit): the IEEE division, with which
+// <512, 8> does not spill (with the fast one it did: one more spill slot).
+template <bool FAST = true>
 MB_DEV LeanGate lean_gate(float z, float mz) {
   LeanGate g;
   g.u = z * mz;
+#if defined(__CUDA_ARCH__)
+  const float sg = FAST ? __fdividef(1.f, 1.f + __expf(-g.u)) : 1.f / (1.f + __expf(-g.u));
+#else
   const float sg = 1.f / (1.f + __expf(-g.u));
+#endif
   g.gate = g.u * sg;
   g.dsilu = sg * (1.f + g.u * (1.f - sg));
   return g;
@@ -603,7 +614,7 @@ MB_DEV LeanGate lean_gate(float z, float mz) {
 
 // RMSNorm row statistics from the Y tile and the staged z / dout (as epi_norm_stats). The
 // threads per row (tpr) follow NT, and so does the order of the row sums.
-template <int NT>
+template <int NT, bool FAST>
 MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int Lc) {
   const int R = a.R, T = a.Tb, P = a.P, LP = a.LP;
   int tpr = 1;  // threads per row
@@ -616,7 +627,7 @@ MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int L
       for (int p = sl; p < P; p += tpr) {
         const float y = sm[L.Y + i * LP + p];
         const float d = st_bf(sm + L.ds, t * P + p);
-        const LeanGate gt = lean_gate(st_bf(sm + L.zs, t * P + p), sm[L.mz + r * P + p]);
+        const LeanGate gt = lean_gate<FAST>(st_bf(sm + L.zs, t * P + p), sm[L.mz + r * P + p]);
         const float dxhat = d * sm[L.mo + r * P + p] * gt.gate * sm[L.nw + p];
         ss = fmaf(y, y, ss);
         sd = fmaf(dxhat, y, sd);
@@ -644,7 +655,7 @@ MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int L
 // steps' contributions per rank in registers, and the threads of one column then add theirs
 // to the Kahan partials in a fixed order (deterministic; the grouping follows NT). Needs
 // NT % P == 0. R is a template parameter (unrolled rank loop, registers per rank).
-template <int NT, int R>
+template <int NT, int R, bool FAST>
 MB_DEV void lean_epilogue_r(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
                             int Lc) {
   const bool ro = a.reduce_o, hz = a.has_z, hn = a.has_norm;
@@ -678,7 +689,7 @@ MB_DEV void lean_epilogue_r(const MbArgs& a, const MbLayout& L, float* sm, const
       }
       const float mzv = mz[r * P];
       const float dr = ro ? d * mo[r * P] : st_bf(sm + L.ds, i * P + p);
-      const LeanGate gt = lean_gate(zz, mzv);
+      const LeanGate gt = lean_gate<FAST>(zz, mzv);
       float yg = y;  // what the gate multiplies
       if (hn) {
         const float rstd = sm[L.rstd + i];
@@ -720,15 +731,15 @@ MB_DEV void lean_epilogue_r(const MbArgs& a, const MbLayout& L, float* sm, const
   }
 }
 
-template <int NT>
+template <int NT, bool FAST>
 MB_DEV void lean_epilogue(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
                           int Lc) {
   if (!a.reduce_o && !a.has_z) return;  // nothing to do without mimo_o and the gate
   switch (a.R) {
-    case 1: lean_epilogue_r<NT, 1>(a, L, sm, k, s0, Lc); break;
-    case 2: lean_epilogue_r<NT, 2>(a, L, sm, k, s0, Lc); break;
-    case 4: lean_epilogue_r<NT, 4>(a, L, sm, k, s0, Lc); break;
-    default: lean_epilogue_r<NT, 8>(a, L, sm, k, s0, Lc); break;
+    case 1: lean_epilogue_r<NT, 1, FAST>(a, L, sm, k, s0, Lc); break;
+    case 2: lean_epilogue_r<NT, 2, FAST>(a, L, sm, k, s0, Lc); break;
+    case 4: lean_epilogue_r<NT, 4, FAST>(a, L, sm, k, s0, Lc); break;
+    default: lean_epilogue_r<NT, 8, FAST>(a, L, sm, k, s0, Lc); break;
   }
 }
 
@@ -997,8 +1008,8 @@ MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
       chunk_scalars(a, L, sm, k, c + 1);
       lean_chunk_angles<NT>(a, L, sm, k, c + 1);
     }
-    if (a.has_norm) lean_norm_stats<NT>(a, L, sm, Lc);
-    lean_epilogue<NT>(a, L, sm, k, s0, Lc);
+    if (a.has_norm) lean_norm_stats<NT, (ST < 8)>(a, L, sm, Lc);
+    lean_epilogue<NT, (ST < 8)>(a, L, sm, k, s0, Lc);
     // The state planes were last read by lean_y (before the barrier above); the epilogue does
     // not touch them. The state after the segment's last chunk is not needed (the next segment
     // starts from ws_enter).
