@@ -976,44 +976,69 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       }
       st_split_pair(Mc, row * ldT + cb, make_float2(m[0], m[1]));
     }
-    // Per-step outputs (the row partials are complete since the last barrier).
-    for (int i = tid; i < L; i += NT) {
-      float cs = 0.f, rev = 0.f, fac = 0.f;
-      for (int r = 0; r < R; ++r)
-        for (int nt = 0; nt < nN; ++nt) {
-          const int k = ((((i << lgR) + r) << lgnN) + nt) * 3;
-          cs += part[k + kPartCs], rev += part[k + kPartRev], fac += part[k + kPartFac];
+    // Per-step outputs (the row partials are complete since the last barrier): a warp per step,
+    // eight lanes per sum (DDA_CS, DDA_CS_REV, DFACTOR, DGAMMA), so that every warp has the same
+    // share of the work before the barrier below (one thread per step kept 15 warps waiting
+    // there). Summation order: lane u of a sum adds its terms j = u, u + 8, u + 16, ... in
+    // order, then the eight lane sums in a butterfly (xor 1, 2, 4: ((l0 + l1) + (l2 + l3)) +
+    // ((l4 + l5) + (l6 + l7))). Terms: part[(i R nN + j) 3 + which] (j = r nN + nt), and
+    // qk_dot[i, r, r2] XG[(i, r2)][(i, r)] (j = r R + r2) for DGAMMA. (L << 5: warp-uniform
+    // trip counts, as the shuffles need.)
+    for (int e = tid; e < (L << 5); e += NT) {
+      const int i = e >> 5, which = (e >> 3) & 3, u = e & 7;
+      float v = 0.f;
+      if (which < 3) {
+        const int nq = R << lgnN;
+        const float* pp = part + i * nq * 3 + which;
+        for (int j = u; j < nq; j += 8) v += pp[j * 3];
+      } else {
+        for (int j = u; j < (R << lgR); j += 8) {
+          const int r = j >> lgR, r2 = j & (R - 1);
+          v += s_qk[(i << (2 * lgR)) + j] * XG[(((i << lgR) + r2) << lgT) + (i << lgR) + r];
         }
-      float dgam = 0.f;
-      for (int r = 0; r < R; ++r)
-        for (int r2 = 0; r2 < R; ++r2)
-          dgam += s_qk[(((i << lgR) + r) << lgR) + r2] *
-                  XG[(((i << lgR) + r2) << lgT) + (i << lgR) + r];
-      const int t = s0 + i;  // the per-step outputs are fp32 (params)
-      st_t(reinterpret_cast<float*>(a.dda.p) + o3(a.dda, b, h, t), dda);
-      st_t(reinterpret_cast<float*>(a.dda_cs.p) + o3(a.dda_cs, b, h, t), cs);
-      st_t(reinterpret_cast<float*>(a.dda_cs_rev.p) + o3(a.dda_cs_rev, b, h, t), s_ts[i] * rev);
-      st_t(reinterpret_cast<float*>(a.dfactor.p) + o3(a.dfactor, b, h, t), fac);
-      st_t(reinterpret_cast<float*>(a.dgamma.p) + o3(a.dgamma, b, h, t), dgam);
+      }
+      v += mimo::mb_shfl_xor(v, 1);
+      v += mimo::mb_shfl_xor(v, 2);
+      v += mimo::mb_shfl_xor(v, 4);
+      if (u == 0) {
+        const int t = s0 + i;  // the per-step outputs are fp32 (params)
+        if (which == kPartCs) {
+          st_t(reinterpret_cast<float*>(a.dda.p) + o3(a.dda, b, h, t), dda);
+          st_t(reinterpret_cast<float*>(a.dda_cs.p) + o3(a.dda_cs, b, h, t), v);
+        } else if (which == kPartRev) {
+          st_t(reinterpret_cast<float*>(a.dda_cs_rev.p) + o3(a.dda_cs_rev, b, h, t), s_ts[i] * v);
+        } else if (which == kPartFac) {
+          st_t(reinterpret_cast<float*>(a.dfactor.p) + o3(a.dfactor, b, h, t), v);
+        } else {
+          st_t(reinterpret_cast<float*>(a.dgamma.p) + o3(a.dgamma, b, h, t), v);
+        }
+      }
     }
     {
       const int64_t dss0 = o3(a.dssda, b, h, c);
       float* dssda = reinterpret_cast<float*>(a.dssda.p);  // fp32 (params)
-      for (int e = tid; e < (C << lgC); e += NT) {
-        // DSSDA[s, t]: every pair of valid steps, unmasked; rows / columns past the sequence 0.
-        const int s = e >> lgC, tq = e & (C - 1);
+      // DSSDA[s, t]: every pair of valid steps, unmasked; rows / columns past the sequence 0.
+      // Two adjacent lanes per (s, t), so that all 16 warps share the C^2 tasks: lane u sums
+      // its half of the ranks r (r2 outer, r inner, in order; R = 1: lane 0 alone), then the
+      // two halves are added (xor 1). (2 C^2 lanes, C >= 8: warp-uniform trip counts.)
+      const int hr = (R + 1) >> 1;
+      for (int e = tid; e < (C << (lgC + 1)); e += NT) {
+        const int u = e & 1, s = e >> (lgC + 1), tq = (e >> 1) & (C - 1);
+        const int rb = u * hr, nr = bb_min(R - rb, hr);
+        const bool valid = s < L && tq < L;
         float acc = 0.f;
-        if (s < L && tq < L) {
+        if (valid) {
           // The ranks r unrolled (immediate offsets); r2 not (its registers: this runs with
           // the dqh / dkh accumulators live).
-          for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR); r2 < R; ++r2, b2 += T) {
+          for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR) + rb; r2 < R; ++r2, b2 += T) {
             BB_UNROLL
-            for (int r = 0; r < kMaxR; ++r)
-              if (r < R) acc += KQ[b2 + r] * XG[b2 + r];
+            for (int r = 0; r < kMaxR / 2; ++r)
+              if (r < nr) acc += KQ[b2 + r] * XG[b2 + r];
           }
-          acc *= s_ts[s];
         }
-        dssda[dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4]] = acc;
+        acc += mimo::mb_shfl_xor(acc, 1);
+        if (u == 0)
+          dssda[dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4]] = valid ? acc * s_ts[s] : 0.f;
       }
     }
     bb_sync();
