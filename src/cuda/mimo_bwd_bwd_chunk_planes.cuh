@@ -1018,12 +1018,15 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int64_t dss0 = o3(a.dssda, b, h, c);
       float* dssda = reinterpret_cast<float*>(a.dssda.p);  // fp32 (params)
       // DSSDA[s, t]: every pair of valid steps, unmasked; rows / columns past the sequence 0.
-      // Two adjacent lanes per (s, t), so that all 16 warps share the C^2 tasks: lane u sums
-      // its half of the ranks r (r2 outer, r inner, in order; R = 1: lane 0 alone), then the
-      // two halves are added (xor 1). (2 C^2 lanes, C >= 8: warp-uniform trip counts.)
-      const int hr = (R + 1) >> 1;
-      for (int e = tid; e < (C << (lgC + 1)); e += NT) {
-        const int u = e & 1, s = e >> (lgC + 1), tq = (e >> 1) & (C - 1);
+      // With fewer tasks (C^2) than threads and R > 1, two adjacent lanes per (s, t), so that
+      // all 16 warps share them: lane u sums its half of the ranks r (r2 outer, r inner, in
+      // order), then the two halves are added (xor 1). Otherwise one lane per task (C >= 32
+      // fills every warp already; at R = 1 the second lane would idle). lgU is CTA-uniform
+      // (the shuffle's trip counts are warp-uniform: 2 C^2 lanes, C >= 8).
+      const int lgU = ((C << lgC) < NT && R > 1) ? 1 : 0;
+      const int hr = (R + lgU) >> lgU;
+      for (int e = tid; e < (C << (lgC + lgU)); e += NT) {
+        const int u = e & lgU, s = e >> (lgC + lgU), tq = (e >> lgU) & (C - 1);
         const int rb = u * hr, nr = bb_min(R - rb, hr);
         const bool valid = s < L && tq < L;
         float acc = 0.f;
@@ -1032,11 +1035,11 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
           // the dqh / dkh accumulators live).
           for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR) + rb; r2 < R; ++r2, b2 += T) {
             BB_UNROLL
-            for (int r = 0; r < kMaxR / 2; ++r)
+            for (int r = 0; r < kMaxR; ++r)
               if (r < nr) acc += KQ[b2 + r] * XG[b2 + r];
           }
         }
-        acc += mimo::mb_shfl_xor(acc, 1);
+        if (lgU) acc += mimo::mb_shfl_xor(acc, 1);
         if (u == 0)
           dssda[dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4]] = valid ? acc * s_ts[s] : 0.f;
       }
