@@ -983,7 +983,26 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     // order, then the eight lane sums in a butterfly (xor 1, 2, 4: ((l0 + l1) + (l2 + l3)) +
     // ((l4 + l5) + (l6 + l7))). Terms: part[(i R nN + j) 3 + which] (j = r nN + nt), and
     // qk_dot[i, r, r2] XG[(i, r2)][(i, r)] (j = r R + r2) for DGAMMA. (L << 5: warp-uniform
-    // trip counts, as the shuffles need.)
+    // trip counts, as the shuffles need.) At R = 1 (C = 64: 64 steps of few terms) one thread
+    // per step is quicker: the spread's shuffles then cost more than the imbalance
+    // (N128 R1 C64: planes K3 1.07 ms spread, 1.02 ms one thread per step).
+    if (R == 1) {
+      for (int i = tid; i < L; i += NT) {
+        float cs = 0.f, rev = 0.f, fac = 0.f;
+        for (int nt = 0; nt < nN; ++nt) {
+          const int k = ((i << lgnN) + nt) * 3;
+          cs += part[k + kPartCs], rev += part[k + kPartRev], fac += part[k + kPartFac];
+        }
+        float dgam = 0.f;  // (as the general loop: a -0 product gives +0)
+        dgam += s_qk[i] * XG[(i << lgT) + i];
+        const int t = s0 + i;  // the per-step outputs are fp32 (params)
+        st_t(reinterpret_cast<float*>(a.dda.p) + o3(a.dda, b, h, t), dda);
+        st_t(reinterpret_cast<float*>(a.dda_cs.p) + o3(a.dda_cs, b, h, t), cs);
+        st_t(reinterpret_cast<float*>(a.dda_cs_rev.p) + o3(a.dda_cs_rev, b, h, t), s_ts[i] * rev);
+        st_t(reinterpret_cast<float*>(a.dfactor.p) + o3(a.dfactor, b, h, t), fac);
+        st_t(reinterpret_cast<float*>(a.dgamma.p) + o3(a.dgamma, b, h, t), dgam);
+      }
+    } else
     for (int e = tid; e < (L << 5); e += NT) {
       const int i = e >> 5, which = (e >> 3) & 3, u = e & 7;
       float v = 0.f;
