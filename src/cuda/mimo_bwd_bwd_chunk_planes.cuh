@@ -738,17 +738,25 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- phase 0: per-step inputs, planes
     // q_bias, k_bias [R][N] as fp32 (read per element of qh, kh and of phase 3).
+    // (Raw loads first, conversions after: one memory latency per loop, not one per tensor.)
     for (int e = tid; e < (R << lgN); e += NT) {
       const int r = e >> lgN, n = e & (N - 1);
-      qbias()[e] = ld(a.q_bias, o3(a.q_bias, h, r, n));
-      kbias()[e] = ld(a.k_bias, o3(a.k_bias, h, r, n));
+      const uint32_t uq = rt_ld_raw(a.q_bias.p, o3(a.q_bias, h, r, n), a.q_bias.dt);
+      const uint32_t uk = rt_ld_raw(a.k_bias.p, o3(a.k_bias, h, r, n), a.k_bias.dt);
+      qbias()[e] = rt_raw_f(uq, a.q_bias.dt);
+      kbias()[e] = rt_raw_f(uk, a.k_bias.dt);
     }
     for (int i = tid; i < Lx; i += NT) {
       const int t = s0 + i;
-      if (i < L) s_dacs[i] = ld(a.da_cs, o3(a.da_cs, b, h, t));
-      if (i < L && !partial) s_F[i] = ld(a.da_cs_rev, o3(a.da_cs_rev, b, h, t));  // raw here
-      s_dt[i] = ld(a.dt, o3(a.dt, b, h, t));
-      s_lam[i] = sigmoid_f(ld(a.trap, o3(a.trap, b, h, t)));
+      const bool in = i < L, rev = in && !partial;
+      const uint32_t uda = in ? rt_ld_raw(a.da_cs.p, o3(a.da_cs, b, h, t), a.da_cs.dt) : 0u;
+      const uint32_t uF = rev ? rt_ld_raw(a.da_cs_rev.p, o3(a.da_cs_rev, b, h, t), a.da_cs_rev.dt) : 0u;
+      const uint32_t udt = rt_ld_raw(a.dt.p, o3(a.dt, b, h, t), a.dt.dt);
+      const uint32_t utr = rt_ld_raw(a.trap.p, o3(a.trap, b, h, t), a.trap.dt);
+      if (in) s_dacs[i] = rt_raw_f(uda, a.da_cs.dt);
+      if (rev) s_F[i] = rt_raw_f(uF, a.da_cs_rev.dt);  // raw here
+      s_dt[i] = rt_raw_f(udt, a.dt.dt);
+      s_lam[i] = sigmoid_f(rt_raw_f(utr, a.trap.dt));
     }
     // The chunk's raw segsum [C][C] now, with the planes' loads (why: read per coefficient in
     // the three builds of phase 2, each was an exposed global load); exponentiated below.

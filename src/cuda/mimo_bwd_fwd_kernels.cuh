@@ -89,30 +89,6 @@ MB_DEV float mb_ldt(const unsigned char* p, int64_t off, int dt) {
   }
 }
 
-// mb_ldt in two halves: the element's raw bits (fp32 bits, or the 16-bit pattern) and their
-// value. With the runtime dtype (DT < 0), rt_ld's load and conversion sit in one dtype branch
-// per element, so a run of such loads waited one memory latency per element; the raw loads are
-// predicated selects that issue back to back, and the conversions follow after all of them.
-template <int DT>
-MB_DEV uint32_t mb_ldr(const unsigned char* p, int64_t off, int dt) {
-  const bool f32 = DT < 0 ? dt == 2 : DT == 2;
-#if defined(__CUDA_ARCH__)
-  if (f32) return __ldg(reinterpret_cast<const unsigned int*>(p) + off);
-  return __ldg(reinterpret_cast<const unsigned short*>(p) + off);
-#else
-  if (f32) return reinterpret_cast<const uint32_t*>(p)[off];
-  return reinterpret_cast<const unsigned short*>(p)[off];
-#endif
-}
-template <int DT>
-MB_DEV float mb_rawf(uint32_t u, int dt) {
-  const int d = DT < 0 ? dt : DT;
-  if (d == 2) return mb_u2f(u);
-  const unsigned short bits = static_cast<unsigned short>(u);
-  if (d == 1) return __bfloat162float(__ushort_as_bfloat16(bits));
-  return __half2float(__ushort_as_half(bits));
-}
-
 // A tensor as the kernels see it: byte pointer, runtime dtype, strides in elements.
 struct MbView {
   unsigned char* p = nullptr;
@@ -326,16 +302,16 @@ MB_DEV void chunk_scalars_t(const MbArgs& a, const MbLayout& L, float* sm, const
   // All loads first, at clamped positions (one latency, not a chain of them).
   const int gl = s0 + Lc - 1, gv = valid ? gi : gl, gn = min(gi + 1, a.S - 1);
   auto at = [&](const MbView& v, int pos) {
-    return mb_ldr<DT>(v.p, k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(pos) * v.s[2], v.dt);
+    return rt_ld_raw<DT>(v.p, k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(pos) * v.s[2], v.dt);
   };
   const uint32_t u_last = at(a.da_cs, gl), u_dav = at(a.da_cs, gv);
   const uint32_t u_dtv = at(a.dt, gv), u_trv = at(a.trap, gv), u_dtn = at(a.dt, gn),
                  u_trn = at(a.trap, gn);
   const uint32_t u_rev = at(a.da_cs_rev, gv);
-  const float da_last = mb_rawf<DT>(u_last, a.da_cs.dt), dav = mb_rawf<DT>(u_dav, a.da_cs.dt);
-  const float dtv = mb_rawf<DT>(u_dtv, a.dt.dt), trv = mb_rawf<DT>(u_trv, a.trap.dt);
-  const float dtn = mb_rawf<DT>(u_dtn, a.dt.dt), trn = mb_rawf<DT>(u_trn, a.trap.dt);
-  const float rev_in = mb_rawf<DT>(u_rev, a.da_cs_rev.dt);
+  const float da_last = rt_raw_f<DT>(u_last, a.da_cs.dt), dav = rt_raw_f<DT>(u_dav, a.da_cs.dt);
+  const float dtv = rt_raw_f<DT>(u_dtv, a.dt.dt), trv = rt_raw_f<DT>(u_trv, a.trap.dt);
+  const float dtn = rt_raw_f<DT>(u_dtn, a.dt.dt), trn = rt_raw_f<DT>(u_trn, a.trap.dt);
+  const float rev_in = rt_raw_f<DT>(u_rev, a.da_cs_rev.dt);
   sm[L.da + t] = dav;
   sm[L.expda + t] = expf(dav);
   float gam = 0.f, ts = 0.f, w = 0.f;

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define RT_DEV __device__ __forceinline__
@@ -27,6 +28,39 @@ RT_DEV float rt_ld(const unsigned char* p, int64_t off, int dt) {
   const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[off];
 #endif
   if (dt == 1) return __bfloat162float(__ushort_as_bfloat16(bits));
+  return __half2float(__ushort_as_half(bits));
+}
+
+// rt_ld in two halves: the element's raw bits (fp32 bits, or the 16-bit pattern), then their
+// value. In a run of rt_ld calls each load and its conversion sit in one dtype branch, so the
+// run waits one memory latency per element; the raw loads compile to predicated selects that
+// issue back to back, and the conversions come after all of them. DT: a dtype code known at
+// compile time, or negative for the runtime dtype dt.
+template <int DT = -1>
+RT_DEV uint32_t rt_ld_raw(const unsigned char* p, int64_t off, int dt) {
+  const bool f32 = DT < 0 ? dt == 2 : DT == 2;
+#if defined(__CUDA_ARCH__)
+  if (f32) return __ldg(reinterpret_cast<const unsigned int*>(p) + off);
+  return __ldg(reinterpret_cast<const unsigned short*>(p) + off);
+#else
+  if (f32) return reinterpret_cast<const uint32_t*>(p)[off];
+  return reinterpret_cast<const unsigned short*>(p)[off];
+#endif
+}
+template <int DT = -1>
+RT_DEV float rt_raw_f(uint32_t u, int dt) {
+  const int d = DT < 0 ? dt : DT;
+  if (d == 2) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+  }
+  const unsigned short bits = static_cast<unsigned short>(u);
+  if (d == 1) return __bfloat162float(__ushort_as_bfloat16(bits));
   return __half2float(__ushort_as_half(bits));
 }
 
