@@ -114,6 +114,14 @@ MB_DEV void mb_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0
 inline void mb_prefetch_l2(const void*) {}
 #endif
 
+// L2 prefetches of the cnt elements p[off + j stride] (bytes es each): one request per 128-byte
+// line when the elements are closer than a line, else one per element.
+MB_DEV void mb_prefetch_row(const unsigned char* p, int es, int64_t off, int64_t stride, int cnt) {
+  const int64_t span = (stride < 0 ? -stride : stride) * es;
+  const int step = span >= 128 || span == 0 ? 1 : static_cast<int>(128 / span);
+  for (int j = 0; j < cnt; j += step) mb_prefetch_l2(p + (off + j * stride) * es);
+}
+
 // A split tile in shared memory: hi plane at h, lo plane `plane` elements later, row stride ld.
 struct SplitTile {
   __nv_bfloat16* h;

@@ -372,6 +372,7 @@ BB_DEV RankWeights thread_rank_weights(const View& w, int h, int R, int lgP, boo
 }
 
 using mimo::mb_prefetch_l2;  // (bf16_split_mma.cuh, shared with the first pass)
+using mimo::mb_prefetch_row;
 
 // Asks L2 for the inputs of chunk `item` (q, k rows, v, dPhiO rows, states[c], dS_c, segsum and
 // angle rows, per-step scalars), one request per 128-byte line of each row. Called by a CTA for
@@ -423,10 +424,7 @@ BB_DEV void prefetch_item(const Args& a, int64_t item) {
       v = e == g_a ? &a.da_cs : e == g_a + 1 ? &a.dt : &a.trap;
       off = o3(*v, b, h, s0), stride = v->s[2], cnt = L;
     }
-    const int es = v->dt == 2 ? 4 : 2;
-    const int64_t span = (stride < 0 ? -stride : stride) * es;
-    const int step = span >= 128 || span == 0 ? 1 : static_cast<int>(128 / span);
-    for (int k = 0; k < cnt; k += step) mb_prefetch_l2(v->p + (off + k * stride) * es);
+    mb_prefetch_row(v->p, v->dt == 2 ? 4 : 2, off, stride, cnt);
   }
 }
 

@@ -226,10 +226,7 @@ MB_DEV void lean_prefetch_chunk(const MbArgs& a, const MbCta& k, int c) {
       v = &a.angles, cnt = a.A;
       off = k.b * v->s[0] + (s0 + e - g_d) * v->s[1] + k.h * v->s[2], stride = v->s[3];
     }
-    const int es = v->dt == 2 ? 4 : 2;
-    const int64_t span = (stride < 0 ? -stride : stride) * es;
-    const int step = span >= 128 || span == 0 ? 1 : static_cast<int>(128 / span);
-    for (int j = 0; j < cnt; j += step) mb_prefetch_l2(v->p + (off + j * stride) * es);
+    mb_prefetch_row(v->p, v->dt == 2 ? 4 : 2, off, stride, cnt);
   }
 }
 
