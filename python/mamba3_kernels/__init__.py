@@ -26,7 +26,7 @@ __version__ = "0.1.0"  # keep equal to project(... VERSION) in CMakeLists.txt
 
 __all__ = ["siso", "mimo", "mamba3_mimo_bwd_fwd", "mamba3_mimo_bwd_fwd_out",
            "mamba3_mimo_bwd_bwd", "mamba3_mimo_bwd_combined", "has_cuda",
-           "library_version", "library_path", "__version__"]
+           "library_version", "library_path", "binding", "__version__"]
 
 
 def has_cuda() -> bool:
@@ -39,6 +39,14 @@ def library_version() -> str:
     """Version string compiled into the loaded libmamba3."""
     from ._lib import load
     return load().version().decode()
+
+
+def binding() -> str:
+    """Which binding the SISO functional operators use: "compiled" (the torch extension
+    mamba3_kernels._C, built by CMake when torch is found; see _ext.py for where it is looked up
+    and MAMBA3_TORCH_EXT) or "ctypes" (the pure-Python path). Needs torch; loads the library."""
+    from ._ext import binding as _binding
+    return _binding()
 
 
 def __getattr__(name):
