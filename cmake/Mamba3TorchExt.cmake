@@ -18,6 +18,8 @@ function(mamba3_probe_torch python ok_var)
   set(script [=[
 import sysconfig
 import torch
+import warnings
+warnings.simplefilter("ignore")
 import torch.utils.cpp_extension as ce
 flags = getattr(ce, "_get_pybind11_abi_build_flags", lambda: [])()
 print("include=" + ";".join(ce.include_paths()))
