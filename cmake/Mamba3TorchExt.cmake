@@ -69,6 +69,7 @@ function(mamba3_add_torch_ext target mamba3_target)
                                                       ${MAMBA3_TORCH_PYTHON_INCLUDE})
   target_compile_definitions(${target} PRIVATE
     _GLIBCXX_USE_CXX11_ABI=${MAMBA3_TORCH_CXX11_ABI} TORCH_EXTENSION_NAME=_C
+    MAMBA3_TORCH_VERSION_STRING="${MAMBA3_TORCH_VERSION}"
     ${MAMBA3_TORCH_PYBIND_DEFS})
   target_compile_options(${target} PRIVATE -Wall -Wextra)
   set(libs)

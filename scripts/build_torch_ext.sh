@@ -48,6 +48,7 @@ inc = ce.include_paths() + [sysconfig.get_paths()["include"]]
 print("incs=" + shlex.quote(" ".join("-isystem " + shlex.quote(p) for p in inc)))
 print("libdir=" + shlex.quote(ce.library_paths()[0]))
 print("abi=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI))
+print("tver=" + shlex.quote(torch.__version__))
 print("defs=" + shlex.quote(" ".join(shlex.quote(f) for f in flags)))
 print("suffix=" + shlex.quote(sysconfig.get_config_var("EXT_SUFFIX")))
 PY
@@ -55,7 +56,8 @@ PY
   libdir_m3=$(dirname "$LIB")
   # shellcheck disable=SC2086
   eval "${CXX:-g++}" -std=c++20 -O2 -fPIC -shared -fvisibility=hidden -Wall -Wextra \
-    -D_GLIBCXX_USE_CXX11_ABI=$abi -DTORCH_EXTENSION_NAME=_C $defs $incs \
+    -D_GLIBCXX_USE_CXX11_ABI=$abi -DTORCH_EXTENSION_NAME=_C \
+    "'-DMAMBA3_TORCH_VERSION_STRING=\"$tver\"'" $defs $incs \
     -Iinclude -Ithird_party/dlpack/include src/torch_ext/binding.cpp \
     -o "'$BUILD_DIR/_C$suffix'" "'$LIB'" -L"'$libdir'" -lc10 -ltorch -ltorch_cpu -ltorch_python \
     "'-Wl,-rpath,\$ORIGIN:$libdir_m3:$libdir'"

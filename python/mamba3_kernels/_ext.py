@@ -14,7 +14,7 @@ The module is looked up, first match wins:
      (newest first), so that PYTHONPATH=python works after a plain CMake build.
 libmamba3 is loaded first (through _lib, honouring MAMBA3_LIBRARY), so the module binds to that
 same library (the dynamic loader reuses an already loaded libmamba3.so); a module bound to another
-copy is not used. In the automatic search (2, 3) a module that fails to load (e.g. built against
+copy, or built against another torch version than the running one, is not used (with a warning). In the automatic search (2, 3) a module that fails to load (e.g. built against
 another torch) is skipped with a warning.
 """
 from __future__ import annotations
@@ -53,6 +53,14 @@ def _same_library(mod) -> bool:
 
 
 def _checked(mod, path):
+    import torch
+    built = getattr(mod, "torch_version", None)
+    if built != torch.__version__:
+        # Loading may succeed against another torch, but its C++ ABI need not match: not used.
+        warnings.warn(f"mamba3_kernels: {path} was built against torch {built}, this is torch "
+                      f"{torch.__version__}; using the ctypes binding (rebuild it with "
+                      f"scripts/build_torch_ext.sh)", RuntimeWarning, stacklevel=3)
+        return None
     if _same_library(mod):
         return mod
     warnings.warn(f"mamba3_kernels: {path} is bound to {mod.library_path()!r}, not to the loaded "

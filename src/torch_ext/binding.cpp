@@ -371,4 +371,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("input_v_state"), py::arg("cu_seqlens"));
   m.def("library_path", &bound_library_path);
   m.def("library_version", [] { return std::string(mamba3_version()); });
+  // The torch this module was compiled against: it must be the running one (checked by _ext.py).
+  m.attr("torch_version") = MAMBA3_TORCH_VERSION_STRING;
 }

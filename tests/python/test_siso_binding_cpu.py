@@ -90,6 +90,20 @@ def test_compiled_module_bound_to_the_loaded_library():
     assert _C.library_version() == mamba3_kernels.library_version()
 
 
+def test_module_of_another_torch_or_library_is_not_used():
+    import types
+    lib = mamba3_kernels.library_path()
+    good = types.SimpleNamespace(torch_version=torch.__version__, library_path=lambda: lib)
+    assert _ext._checked(good, "x") is good
+    other_torch = types.SimpleNamespace(torch_version="0.0.1", library_path=lambda: lib)
+    with pytest.warns(RuntimeWarning, match="built against torch 0.0.1"):
+        assert _ext._checked(other_torch, "x") is None
+    other_lib = types.SimpleNamespace(torch_version=torch.__version__,
+                                      library_path=lambda: "/elsewhere/libmamba3.so")
+    with pytest.warns(RuntimeWarning, match="/elsewhere/libmamba3.so"):
+        assert _ext._checked(other_lib, "x") is None
+
+
 # ----------------------------------------------------------------------------- identical outputs
 
 DQK_CASES = [
