@@ -12,6 +12,11 @@ scikit-build-core and puts libmamba3.so into this package; CUDA backend by defau
 without installing: build with CMake and use PYTHONPATH=python (the library is then found in
 build*/ of the checkout) or point MAMBA3_LIBRARY at libmamba3.so.
 
+The SISO operators call the library through the compiled extension mamba3_kernels._C when it is
+built (CMake builds it when its Python has torch; scripts/build_torch_ext.sh builds it alone), else
+through ctypes: binding() says which; MAMBA3_TORCH_EXT names the module or, set to 0, forces
+ctypes (see _ext.py). Both give identical results.
+
 The library is loaded on first use (see _lib.py for the search order). `siso` and `mimo` (which
 need torch; mimo's functions are also reachable from here) are imported on first access, so the
 torch-free parts (has_cuda(), library_version(), the ctypes layer) work without torch.
