@@ -72,7 +72,7 @@ def main():
          lambda: siso.compute_ddt_dtrap_dinput_states(*ddt7),
          lambda: siso._ddt_functional_ctypes(*ddt7, None)),
     ]
-    print(f"| op | compiled us/call | ctypes us/call |\n|---|---|---|")
+    print("| op | compiled us/call | ctypes us/call |\n|---|---|---|")
     for name, fc, ft in rows:
         c = f"{per_call_us(fc, dev, cfg.burst, cfg.repeat):.1f}" if compiled else "n/a"
         t = per_call_us(ft, dev, cfg.burst, cfg.repeat)

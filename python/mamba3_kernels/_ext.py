@@ -20,6 +20,7 @@ another torch) is skipped with a warning.
 from __future__ import annotations
 
 import glob
+import importlib
 import importlib.machinery
 import importlib.util
 import os
@@ -89,7 +90,7 @@ def _find():
     env = os.environ.get("MAMBA3_TORCH_EXT")
     if env is not None and env.strip().lower() in _OFF:
         return None
-    import torch  # noqa: F401  (the module needs torch's libraries loaded)
+    importlib.import_module("torch")  # the module needs torch's libraries loaded
     _lib.load()
     if env:
         if not os.path.isfile(env):
