@@ -281,7 +281,8 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     dev_name = torch.cuda.get_device_name()
     print(f"device: {dev_name}; torch {torch.__version__}; library "
-          f"{mamba3_kernels.library_path()} (cuda={mamba3_kernels.has_cuda()})", flush=True)
+          f"{mamba3_kernels.library_path()} (cuda={mamba3_kernels.has_cuda()}); binding "
+          f"{mamba3_kernels.binding()}", flush=True)
     cpm = _sleep_cycles_per_ms()
     ceiling, copy_ms = copy_ceiling_gbps(cfg, cpm)
     print(f"copy ceiling: {ceiling:.0f} GB/s (1 GiB device-to-device copy, {copy_ms:.3f} ms)",
@@ -361,7 +362,8 @@ def main():
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "bench_siso_bwd.json"), "w") as f:
             json.dump(dict(device=dev_name, torch=torch.__version__,
-                           library=mamba3_kernels.library_path(), copy_ceiling_gbps=ceiling,
+                           library=mamba3_kernels.library_path(),
+                           binding=mamba3_kernels.binding(), copy_ceiling_gbps=ceiling,
                            upstream_note=up_note, rows=rows, agreement=agreement), f, indent=1)
         with open(os.path.join(out_dir, "bench_siso_bwd.md"), "w") as f:
             f.write(text + "\n")

@@ -27,6 +27,9 @@ Behaviour shared by all entry points:
   the custom-op dispatcher, whose per-call cost is of the order of the smaller kernel's run time;
   under torch.compile (torch.compiler.is_compiling()), for tensor subclasses (FakeTensor,
   FunctionalTensor, ...), meta tensors or an active dispatch mode, the custom op is used.
+- The functional entry points (eager and inside the custom ops) run through the compiled binding
+  mamba3_kernels._C when it is built (mamba3_kernels.binding() == "compiled", see _ext.py), else
+  through ctypes; both do the same checks and library calls and give identical results.
 - The *_out variants write into caller-given outputs (eager only; outputs whose last dimension is
   not unit-stride are computed into a temporary and copied back).
 """
@@ -39,7 +42,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _dlpack, _lib
+from . import _dlpack, _ext, _lib
 from ._common import copy_back as _copy_back
 from ._common import rank_error as _rank_error
 from ._common import required as _required
@@ -64,6 +67,21 @@ def _fns():
     if _F is None:
         _F = _lib.load()
     return _F
+
+
+# The compiled binding mamba3_kernels._C (see _ext.py), resolved on the first call: the functional
+# paths below call it when it is there and the ctypes code of this module otherwise. Both run the
+# same checks and the same library calls and give identical results.
+_C = None
+_C_RESOLVED = False
+
+
+def _compiled():
+    global _C, _C_RESOLVED
+    if not _C_RESOLVED:
+        _C = _ext.load()
+        _C_RESOLVED = True
+    return _C
 
 
 def _cu_arg(cu_seqlens, Cu_Seqlens):
@@ -157,6 +175,16 @@ def _dqktheta_launch(q, k, scale, gamma, q_bias, k_bias, angles, dq_in, dk_in, d
 
 def _dqktheta_functional(q, k, scale, gamma, q_bias, k_bias, angles, dq_in, dk_in, dqk,
                          d_ok_state, chunk_size, cu_seqlens):
+    C = _C if _C_RESOLVED else _compiled()
+    if C is not None:
+        return C.compute_dqktheta(q, k, scale, gamma, q_bias, k_bias, angles, dq_in, dk_in, dqk,
+                                  d_ok_state, chunk_size, cu_seqlens)
+    return _dqktheta_functional_ctypes(q, k, scale, gamma, q_bias, k_bias, angles, dq_in, dk_in,
+                                       dqk, d_ok_state, chunk_size, cu_seqlens)
+
+
+def _dqktheta_functional_ctypes(q, k, scale, gamma, q_bias, k_bias, angles, dq_in, dk_in, dqk,
+                                d_ok_state, chunk_size, cu_seqlens):
     outs = _dqktheta_alloc(q, scale, gamma, angles, dq_in)
     _dqktheta_launch(q, k, scale, gamma, q_bias, k_bias, angles, dq_in, dk_in, dqk, d_ok_state,
                      chunk_size, cu_seqlens, outs, True)
@@ -275,6 +303,16 @@ def _ddt_launch(dscale, dgamma, dt, trap, d_issm_state, input_k_state, input_v_s
 
 def _ddt_functional(dscale, dgamma, dt, trap, d_issm_state, input_k_state, input_v_state,
                     cu_seqlens):
+    C = _C if _C_RESOLVED else _compiled()
+    if C is not None:
+        return C.compute_ddt_dtrap_dinput_states(dscale, dgamma, dt, trap, d_issm_state,
+                                                 input_k_state, input_v_state, cu_seqlens)
+    return _ddt_functional_ctypes(dscale, dgamma, dt, trap, d_issm_state, input_k_state,
+                                  input_v_state, cu_seqlens)
+
+
+def _ddt_functional_ctypes(dscale, dgamma, dt, trap, d_issm_state, input_k_state, input_v_state,
+                           cu_seqlens):
     outs = _ddt_alloc(dscale, d_issm_state)
     _ddt_launch(dscale, dgamma, dt, trap, d_issm_state, input_k_state, input_v_state, cu_seqlens,
                 outs, True)
