@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -66,12 +65,17 @@ constexpr int32_t kDLExtDevice = 12;  // "some other device": the library reject
 // siso._rank_error: "{name}: expected rank {n} [{expected}], got shape [a, b, c]"
 [[noreturn]] void rank_error(const char* name, const at::Tensor& t, int rank,
                              const char* expected) {
-  std::ostringstream s;
-  s << name << ": expected rank " << rank << " [" << expected << "], got shape [";
-  auto sz = t.sizes();
-  for (size_t i = 0; i < sz.size(); ++i) s << (i ? ", " : "") << sz[i];
-  s << "]";
-  throw py::value_error(s.str());
+  // (std::string, not std::ostringstream: this path crashed in the module built on the H200
+  // against torch 2.11 with g++ 13, cause not found; see docs/PERF.md, session 9.)
+  std::string s = std::string(name) + ": expected rank " + std::to_string(rank) + " [" +
+                  expected + "], got shape [";
+  const int64_t nd = t.dim();
+  for (int64_t i = 0; i < nd; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(t.size(i));
+  }
+  s += "]";
+  throw py::value_error(s);
 }
 
 // ------------------------------------------------------------------------------ arguments
