@@ -105,6 +105,24 @@ BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
   }
 }
 
+// x[0 .. K) = p[0 .. K) from shared memory, K a power of two, p aligned to min(K, 4) floats:
+// as float4 / float2 loads (one LDS.128 per 4 floats), the same values as K scalar loads.
+template <int K>
+BB_DEV void ld_smem_row(const float* p, float (&x)[K]) {
+  if constexpr (K >= 4) {
+    BB_UNROLL
+    for (int j = 0; j < K / 4; ++j) {
+      const float4 v = reinterpret_cast<const float4*>(p)[j];
+      x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
+    }
+  } else if constexpr (K == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    x[0] = v.x, x[1] = v.y;
+  } else {
+    x[0] = p[0];
+  }
+}
+
 BB_DEV unsigned short bits_of(float x, DTag<__nv_bfloat16>) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
@@ -1090,6 +1108,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
     const int64_t k0 = int64_t{b} * a.k.s[0] + int64_t{grp} * a.k.s[3];
     const int64_t qs2 = a.q.s[2], qs4 = a.q.s[4], ks2 = a.k.s[2], ks4 = a.k.s[4];
+    const int64_t qhalf = half * qs4, khalf = half * ks4;
     const float *s_qbias = qbias(), *s_kbias = kbias();
     const float2* tab = cs_tab();
     const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
@@ -1099,7 +1118,11 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const int64_t qstep = int64_t{NT >> lgH} * a.q.s[1], kstep = int64_t{NT >> lgH} * a.k.s[1];
     int64_t qi = q0 + (s0 + (tid >> lgH)) * a.q.s[1] + (tid & (half - 1)) * qs4;
     int64_t ki = k0 + (s0 + (tid >> lgH)) * a.k.s[1] + (tid & (half - 1)) * ks4;
-    for (int e = tid; e < (L << lgH); e += NT, qi += qstep, ki += kstep) {
+    // DANGLES[b, s0 + i, h, n] (fp32: params) likewise.
+    float* pdang = reinterpret_cast<float*>(a.dangles.p) + dang0 +
+                   (s0 + (tid >> lgH)) * a.dangles.s[1] + (tid & (half - 1)) * a.dangles.s[3];
+    const int64_t dstep = int64_t{NT >> lgH} * a.dangles.s[1];
+    for (int e = tid; e < (L << lgH); e += NT, qi += qstep, ki += kstep, pdang += dstep) {
       const int i = e >> lgH, n = e & (half - 1);
       const float ts = s_ts[i];
       const bool rot = n < A;
@@ -1112,29 +1135,39 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
           bb_sincos(ld(a.angles, ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3]), &sn, &cs);
         }
       }
-      // Biased, unrotated q / k elements (row i R + r, columns n, half + n), exact fp32.
-      float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];
-      {
+      // The task's R ranks with R a compile-time constant KR (1, 2, 4 or 8: a power of two on
+      // this path), chosen per task (a uniform branch; the sincos above stays one copy): no
+      // predicated-off iterations of kMaxR-long rank loops, and a row's KR diagonal
+      // coefficients dg_q / dg_k as vector loads (KR consecutive floats at a multiple of KR;
+      // KQ is 16-byte aligned and T R a multiple of 8). Same expressions and summation order as
+      // with the runtime rank.
+      auto ranks = [&](auto kr) -> float {
+        constexpr int KR = decltype(kr)::value;
+        // Biased, unrotated q / k elements (row i R + r, columns n, half + n), exact fp32. The
+        // bf16 elements through running pointers (rank r + 1 at + qs2 / ks2 from rank r, column
+        // half + n at a fixed offset): one 64-bit add per load instead of an offset product
+        // and an address shift.
+        float qb1[KR], qb2[KR], kb1[KR], kb2[KR];
+        const unsigned short* pq = reinterpret_cast<const unsigned short*>(a.q.p) + qi;
+        const unsigned short* pk = reinterpret_cast<const unsigned short*>(a.k.p) + ki;
+        // The biases (rank r, column n) likewise, + N per rank.
+        const float *bq = s_qbias + n, *bk = s_kbias + n;
         BB_UNROLL
-        for (int r = 0; r < kMaxR; ++r) {
-          if (r < R) {
-            const int64_t qo = qi + r * qs2, ko = ki + r * ks2;
-            const float* bq = s_qbias + (r << lgN) + n;
-            const float* bk = s_kbias + (r << lgN) + n;
-            qb1[r] = ld_t<bf16_t>(a.q, qo) + bq[0];
-            qb2[r] = ld_t<bf16_t>(a.q, qo + half * qs4) + bq[half];
-            kb1[r] = ld_t<bf16_t>(a.k, ko) + bk[0];
-            kb2[r] = ld_t<bf16_t>(a.k, ko + half * ks4) + bk[half];
-          }
+        for (int r = 0; r < KR; ++r, pq += qs2, pk += ks2, bq += N, bk += N) {
+          qb1[r] = f_of_bits(mimo::mb_ldg(pq), DTag<bf16_t>{}) + bq[0];
+          qb2[r] = f_of_bits(mimo::mb_ldg(pq + qhalf), DTag<bf16_t>{}) + bq[half];
+          kb1[r] = f_of_bits(mimo::mb_ldg(pk), DTag<bf16_t>{}) + bk[0];
+          kb2[r] = f_of_bits(mimo::mb_ldg(pk + khalf), DTag<bf16_t>{}) + bk[half];
         }
-      }
-      float dang = 0.f;
-      BB_UNROLL
-      for (int r = 0; r < kMaxR; ++r) {
-        if (r < R) {
-          const int row = (i << lgR) + r, base = row << lgN;
-          const float q0 = dqh[base + n], q1 = dqh[base + half + n];
-          const float g0 = dkh[base + n] * ts, g1 = dkh[base + half + n] * ts;
+        float dang = 0.f;
+        // Row i R + r of dqh / dkh at column n, + N per rank.
+        float* rq = dqh + ((i * KR) << lgN) + n;
+        float* rk = dkh + ((i * KR) << lgN) + n;
+        BB_UNROLL
+        for (int r = 0; r < KR; ++r, rq += N, rk += N) {
+          const int row = i * KR + r;
+          const float q0 = rq[0], q1 = rq[half];
+          const float g0 = rk[0] * ts, g1 = rk[half] * ts;
           float oq0 = q0, oq1 = q1, ok0 = g0, ok1 = g1;
           if (rot) {
             oq0 = q0 * cs + q1 * sn, oq1 = q1 * cs - q0 * sn;
@@ -1145,28 +1178,29 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
             dang += q1 * qh1 - q0 * qh2 + g1 * kh1 - g0 * kh2;
           }
           // Diagonal gamma_i sum qk_dot[i, r, r2] x^r2 with qk_dot = qb . kb (unrotated).
+          float xq[KR], xk[KR];
+          ld_smem_row<KR>(dg_q + row * KR, xq);
+          ld_smem_row<KR>(dg_k + row * KR, xk);
           BB_UNROLL
-          for (int r2 = 0; r2 < kMaxR; ++r2) {
-            if (r2 < R) {
-              const float xq = dg_q[(row << lgR) + r2];
-              oq0 += xq * kb1[r2], oq1 += xq * kb2[r2];
-            }
-          }
+          for (int r2 = 0; r2 < KR; ++r2) oq0 += xq[r2] * kb1[r2], oq1 += xq[r2] * kb2[r2];
           BB_UNROLL
-          for (int r1 = 0; r1 < kMaxR; ++r1) {
-            if (r1 < R) {
-              const float xk = dg_k[(row << lgR) + r1];
-              ok0 += xk * qb1[r1], ok1 += xk * qb2[r1];
-            }
-          }
+          for (int r1 = 0; r1 < KR; ++r1) ok0 += xk[r1] * qb1[r1], ok1 += xk[r1] * qb2[r1];
           // In place (this task alone reads and writes these elements); stored to dq, dk below.
-          dqh[base + n] = oq0, dqh[base + half + n] = oq1;
-          dkh[base + n] = ok0, dkh[base + half + n] = ok1;
+          rq[0] = oq0, rq[half] = oq1;
+          rk[0] = ok0, rk[half] = ok1;
         }
-      }
-      if (rot)  // fp32 (params)
-        reinterpret_cast<float*>(a.dangles.p)[dang0 + (s0 + i) * a.dangles.s[1] +
-                                              n * a.dangles.s[3]] = dang;
+        return dang;
+      };
+      float dang;
+      if (lgR == 2)
+        dang = ranks(std::integral_constant<int, 4>{});
+      else if (lgR == 3)
+        dang = ranks(std::integral_constant<int, 8>{});
+      else if (lgR == 1)
+        dang = ranks(std::integral_constant<int, 2>{});
+      else
+        dang = ranks(std::integral_constant<int, 1>{});
+      if (rot) *pdang = dang;
     }
     const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
     {
