@@ -105,6 +105,24 @@ BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
   }
 }
 
+// x[0 .. K) = p[0 .. K) from shared memory, K a power of two, p aligned to min(K, 4) floats:
+// as float4 / float2 loads (one LDS.128 per 4 floats), the same values as K scalar loads.
+template <int K>
+BB_DEV void ld_smem_row(const float* p, float (&x)[K]) {
+  if constexpr (K >= 4) {
+    BB_UNROLL
+    for (int j = 0; j < K / 4; ++j) {
+      const float4 v = reinterpret_cast<const float4*>(p)[j];
+      x[4 * j] = v.x, x[4 * j + 1] = v.y, x[4 * j + 2] = v.z, x[4 * j + 3] = v.w;
+    }
+  } else if constexpr (K == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    x[0] = v.x, x[1] = v.y;
+  } else {
+    x[0] = p[0];
+  }
+}
+
 BB_DEV unsigned short bits_of(float x, DTag<__nv_bfloat16>) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
@@ -1107,90 +1125,188 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     // Here, not earlier: the accumulators are dead (no registers to spare in phase 2).
     if (a.prefetch && item + bb_nblocks() < total) prefetch_item(a, item + bb_nblocks());
     bb_sync();
-    // DQ, DK, DANGLES: one task per step and rotation pair (n, half + n) over the R ranks, so
-    // that the exact q / k rows of the diagonal terms are loaded once per task (R each), not
-    // once per output row, and one sincos serves the step.
-    const int lgH = lgN - 1;
+    // DQ, DK, DANGLES: one task per step and two adjacent rotation pairs (n, half + n), (n + 1,
+    // half + n + 1) (n even; half = N / 2 is, N being a power of two >= 16 on this path) over
+    // the R ranks, so that the exact q / k rows of the diagonal terms are loaded once per task
+    // (R each), not once per output row, the step's diagonal coefficients are read once for
+    // both columns, and one sincos serves each column and step.
+    const int lgH2 = lgN - 2;  // log2(half / 2): tasks per step
     const int64_t q0 = int64_t{b} * a.q.s[0] + int64_t{grp} * a.q.s[3];
     const int64_t k0 = int64_t{b} * a.k.s[0] + int64_t{grp} * a.k.s[3];
     const int64_t qs2 = a.q.s[2], qs4 = a.q.s[4], ks2 = a.k.s[2], ks4 = a.k.s[4];
+    const int64_t qhalf = half * qs4, khalf = half * ks4;
     const float *s_qbias = qbias(), *s_kbias = kbias();
     const float2* tab = cs_tab();
     const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
     const int64_t dang0 = int64_t{b} * a.dangles.s[0] + int64_t{h} * a.dangles.s[2];
-    // This thread's column n is fixed (NT is a multiple of half): its q / k offsets at step s0
-    // + i advance by one 64-bit add per task.
-    const int64_t qstep = int64_t{NT >> lgH} * a.q.s[1], kstep = int64_t{NT >> lgH} * a.k.s[1];
-    int64_t qi = q0 + (s0 + (tid >> lgH)) * a.q.s[1] + (tid & (half - 1)) * qs4;
-    int64_t ki = k0 + (s0 + (tid >> lgH)) * a.k.s[1] + (tid & (half - 1)) * ks4;
-    for (int e = tid; e < (L << lgH); e += NT, qi += qstep, ki += kstep) {
-      const int i = e >> lgH, n = e & (half - 1);
+    const int64_t das3 = a.dangles.s[3];
+    // q / k column pairs as one 4-byte load where both layouts allow (Args::vec_q, vec_k: unit
+    // last stride, even other strides, aligned; n even), else the columns one at a time.
+    const bool vec_qk = a.vec_q >= 1 && a.vec_k >= 1;
+    // This thread's column pair n is fixed (NT is a multiple of half / 2): its q / k offsets at
+    // step s0 + i advance by one 64-bit add per task.
+    const int n = (tid & ((1 << lgH2) - 1)) * 2;
+    const int64_t qstep = int64_t{NT >> lgH2} * a.q.s[1], kstep = int64_t{NT >> lgH2} * a.k.s[1];
+    int64_t qi = q0 + (s0 + (tid >> lgH2)) * a.q.s[1] + n * qs4;
+    int64_t ki = k0 + (s0 + (tid >> lgH2)) * a.k.s[1] + n * ks4;
+    // DANGLES[b, s0 + i, h, n] (fp32: params) likewise.
+    float* pdang = reinterpret_cast<float*>(a.dangles.p) + dang0 +
+                   (s0 + (tid >> lgH2)) * a.dangles.s[1] + n * das3;
+    const int64_t dstep = int64_t{NT >> lgH2} * a.dangles.s[1];
+    const bool rot0 = n < A, rot1 = n + 1 < A;
+    for (int e = tid; e < (L << lgH2); e += NT, qi += qstep, ki += kstep, pdang += dstep) {
+      const int i = e >> lgH2;
       const float ts = s_ts[i];
-      const bool rot = n < A;
-      float sn = 0.f, cs = 1.f;
-      if (rot) {
+      float sn0 = 0.f, cs0 = 1.f, sn1 = 0.f, cs1 = 1.f;
+      if (rot0) {
         if (tab != nullptr) {
-          const float2 t = tab[i * A + n];  // phase 0's sincos of the same angle
-          sn = t.x, cs = t.y;
+          const float2 t0 = tab[i * A + n];  // phase 0's sincos of the same angles
+          sn0 = t0.x, cs0 = t0.y;
+          if (rot1) {
+            const float2 t1 = tab[i * A + n + 1];
+            sn1 = t1.x, cs1 = t1.y;
+          }
         } else {
-          bb_sincos(ld(a.angles, ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3]), &sn, &cs);
+          const int64_t ao = ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3];
+          // Rolled: one copy of sincosf's slow path (its local memory). (Selects, not an
+          // indexed array: that would go to local memory.)
+          BB_NO_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            float sv = 0.f, cv = 1.f;
+            if (n + c < A) bb_sincos(ld(a.angles, ao + c * a.angles.s[3]), &sv, &cv);
+            sn0 = c == 0 ? sv : sn0, cs0 = c == 0 ? cv : cs0;
+            sn1 = c == 1 ? sv : sn1, cs1 = c == 1 ? cv : cs1;
+          }
         }
       }
-      // Biased, unrotated q / k elements (row i R + r, columns n, half + n), exact fp32.
-      float qb1[kMaxR], qb2[kMaxR], kb1[kMaxR], kb2[kMaxR];
-      {
+      // The task's R ranks with R a compile-time constant KR (1, 2, 4 or 8: a power of two on
+      // this path), chosen per task (a uniform branch; the sincos above stays one copy): no
+      // predicated-off iterations of kMaxR-long rank loops, and a row's KR diagonal
+      // coefficients dg_q / dg_k as vector loads (KR consecutive floats at a multiple of KR;
+      // KQ is 16-byte aligned and T R a multiple of 8). NC columns from column n + c0 (NC = 2:
+      // both columns, pairs of fp32 values from shared memory, q / k pair loads; NC = 1: one,
+      // for R = 8, where the two columns' q / k values would not fit the registers, and for
+      // q / k layouts without pair loads). Every output element's
+      // expressions and summation order are those of the one-column loop this replaces.
+      auto ranks = [&](auto kr, auto nc, int c0, float* dang) {
+        constexpr int KR = decltype(kr)::value, NC = decltype(nc)::value;
+        const int nn = n + c0;
+        float sn[NC], cs[NC];
+        bool rot[NC];
         BB_UNROLL
-        for (int r = 0; r < kMaxR; ++r) {
-          if (r < R) {
-            const int64_t qo = qi + r * qs2, ko = ki + r * ks2;
-            const float* bq = s_qbias + (r << lgN) + n;
-            const float* bk = s_kbias + (r << lgN) + n;
-            qb1[r] = ld_t<bf16_t>(a.q, qo) + bq[0];
-            qb2[r] = ld_t<bf16_t>(a.q, qo + half * qs4) + bq[half];
-            kb1[r] = ld_t<bf16_t>(a.k, ko) + bk[0];
-            kb2[r] = ld_t<bf16_t>(a.k, ko + half * ks4) + bk[half];
+        for (int c = 0; c < NC; ++c) {
+          sn[c] = c0 + c == 0 ? sn0 : sn1, cs[c] = c0 + c == 0 ? cs0 : cs1;
+          rot[c] = c0 + c == 0 ? rot0 : rot1;
+        }
+        // Shared-memory fp32 values at p[0 .. NC).
+        auto lds = [](const float* p, float (&x)[NC]) {
+          if constexpr (NC == 2) {
+            const float2 v = *reinterpret_cast<const float2*>(p);
+            x[0] = v.x, x[1] = v.y;
+          } else {
+            x[0] = p[0];
+          }
+        };
+        auto sts = [](float* p, const float (&x)[NC]) {
+          if constexpr (NC == 2)
+            *reinterpret_cast<float2*>(p) = make_float2(x[0], x[1]);
+          else
+            p[0] = x[0];
+        };
+        // bf16 elements p[0], p[1] (NC = 2: one 4-byte load) or p[0] as fp32 (exact).
+        auto ldg = [&](const unsigned short* p, float (&x)[NC]) {
+          if constexpr (NC == 2) {  // (only where vec_qk holds)
+            const unsigned int u = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p));
+            x[0] = f_of_bits(static_cast<unsigned short>(u & 0xffffu), DTag<bf16_t>{});
+            x[1] = f_of_bits(static_cast<unsigned short>(u >> 16), DTag<bf16_t>{});
+          } else {
+            x[0] = f_of_bits(mimo::mb_ldg(p), DTag<bf16_t>{});
+          }
+        };
+        // Biased, unrotated q / k elements (row i R + r, columns nn + c, half + nn + c), exact
+        // fp32. The bf16 elements through running pointers (rank r + 1 at + qs2 / ks2 from rank
+        // r, column half + nn at a fixed offset), the biases likewise (+ N per rank).
+        float qb1[KR][NC], qb2[KR][NC], kb1[KR][NC], kb2[KR][NC];
+        const unsigned short* pq = reinterpret_cast<const unsigned short*>(a.q.p) + qi + c0 * qs4;
+        const unsigned short* pk = reinterpret_cast<const unsigned short*>(a.k.p) + ki + c0 * ks4;
+        const float *bq = s_qbias + nn, *bk = s_kbias + nn;
+        BB_UNROLL
+        for (int r = 0; r < KR; ++r, pq += qs2, pk += ks2, bq += N, bk += N) {
+          float x1[NC], x2[NC], y1[NC], y2[NC], c1[NC], c2[NC], d1[NC], d2[NC];
+          ldg(pq, x1), ldg(pq + qhalf, x2), lds(bq, c1), lds(bq + half, c2);
+          ldg(pk, y1), ldg(pk + khalf, y2), lds(bk, d1), lds(bk + half, d2);
+          BB_UNROLL
+          for (int c = 0; c < NC; ++c) {
+            qb1[r][c] = x1[c] + c1[c], qb2[r][c] = x2[c] + c2[c];
+            kb1[r][c] = y1[c] + d1[c], kb2[r][c] = y2[c] + d2[c];
           }
         }
-      }
-      float dang = 0.f;
-      BB_UNROLL
-      for (int r = 0; r < kMaxR; ++r) {
-        if (r < R) {
-          const int row = (i << lgR) + r, base = row << lgN;
-          const float q0 = dqh[base + n], q1 = dqh[base + half + n];
-          const float g0 = dkh[base + n] * ts, g1 = dkh[base + half + n] * ts;
-          float oq0 = q0, oq1 = q1, ok0 = g0, ok1 = g1;
-          if (rot) {
-            oq0 = q0 * cs + q1 * sn, oq1 = q1 * cs - q0 * sn;
-            ok0 = g0 * cs + g1 * sn, ok1 = g1 * cs - g0 * sn;
-            // d/dtheta of (u cos - w sin, u sin + w cos) is (-y2, y1) of the rotated pair.
-            const float qh1 = qb1[r] * cs - qb2[r] * sn, qh2 = qb1[r] * sn + qb2[r] * cs;
-            const float kh1 = kb1[r] * cs - kb2[r] * sn, kh2 = kb1[r] * sn + kb2[r] * cs;
-            dang += q1 * qh1 - q0 * qh2 + g1 * kh1 - g0 * kh2;
-          }
+        BB_UNROLL
+        for (int c = 0; c < NC; ++c) dang[c] = 0.f;
+        // Row i R + r of dqh / dkh at column nn, + N per rank.
+        float* rq = dqh + ((i * KR) << lgN) + nn;
+        float* rk = dkh + ((i * KR) << lgN) + nn;
+        BB_UNROLL
+        for (int r = 0; r < KR; ++r, rq += N, rk += N) {
+          const int row = i * KR + r;
+          float q0[NC], q1[NC], g0[NC], g1[NC];
+          lds(rq, q0), lds(rq + half, q1), lds(rk, g0), lds(rk + half, g1);
           // Diagonal gamma_i sum qk_dot[i, r, r2] x^r2 with qk_dot = qb . kb (unrotated).
+          float xq[KR], xk[KR];
+          ld_smem_row<KR>(dg_q + row * KR, xq);
+          ld_smem_row<KR>(dg_k + row * KR, xk);
+          float oq0[NC], oq1[NC], ok0[NC], ok1[NC];
           BB_UNROLL
-          for (int r2 = 0; r2 < kMaxR; ++r2) {
-            if (r2 < R) {
-              const float xq = dg_q[(row << lgR) + r2];
-              oq0 += xq * kb1[r2], oq1 += xq * kb2[r2];
+          for (int c = 0; c < NC; ++c) {
+            g0[c] *= ts, g1[c] *= ts;
+            oq0[c] = q0[c], oq1[c] = q1[c], ok0[c] = g0[c], ok1[c] = g1[c];
+            if (rot[c]) {
+              const float s = sn[c], k = cs[c];
+              oq0[c] = q0[c] * k + q1[c] * s, oq1[c] = q1[c] * k - q0[c] * s;
+              ok0[c] = g0[c] * k + g1[c] * s, ok1[c] = g1[c] * k - g0[c] * s;
+              // d/dtheta of (u cos - w sin, u sin + w cos) is (-y2, y1) of the rotated pair.
+              const float qh1 = qb1[r][c] * k - qb2[r][c] * s, qh2 = qb1[r][c] * s + qb2[r][c] * k;
+              const float kh1 = kb1[r][c] * k - kb2[r][c] * s, kh2 = kb1[r][c] * s + kb2[r][c] * k;
+              dang[c] += q1[c] * qh1 - q0[c] * qh2 + g1[c] * kh1 - g0[c] * kh2;
             }
-          }
-          BB_UNROLL
-          for (int r1 = 0; r1 < kMaxR; ++r1) {
-            if (r1 < R) {
-              const float xk = dg_k[(row << lgR) + r1];
-              ok0 += xk * qb1[r1], ok1 += xk * qb2[r1];
-            }
+            BB_UNROLL
+            for (int r2 = 0; r2 < KR; ++r2)
+              oq0[c] += xq[r2] * kb1[r2][c], oq1[c] += xq[r2] * kb2[r2][c];
+            BB_UNROLL
+            for (int r1 = 0; r1 < KR; ++r1)
+              ok0[c] += xk[r1] * qb1[r1][c], ok1[c] += xk[r1] * qb2[r1][c];
           }
           // In place (this task alone reads and writes these elements); stored to dq, dk below.
-          dqh[base + n] = oq0, dqh[base + half + n] = oq1;
-          dkh[base + n] = ok0, dkh[base + half + n] = ok1;
+          sts(rq, oq0), sts(rq + half, oq1), sts(rk, ok0), sts(rk + half, ok1);
+        }
+      };
+      float dang[2];
+      if (lgR <= 2 && vec_qk) {
+        if (lgR == 2)
+          ranks(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{}, 0, dang);
+        else if (lgR == 1)
+          ranks(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, 0, dang);
+        else
+          ranks(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, 0, dang);
+      } else {
+        // One column at a time (rolled: one copy of each body): R = 8, and q / k layouts
+        // without pair loads (else the compiler predicates both load paths, issuing both).
+        BB_NO_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          float d[1];
+          if (lgR == 3)
+            ranks(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{}, c, d);
+          else if (lgR == 2)
+            ranks(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{}, c, d);
+          else if (lgR == 1)
+            ranks(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{}, c, d);
+          else
+            ranks(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, c, d);
+          dang[0] = c == 0 ? d[0] : dang[0], dang[1] = c == 1 ? d[0] : dang[1];
         }
       }
-      if (rot)  // fp32 (params)
-        reinterpret_cast<float*>(a.dangles.p)[dang0 + (s0 + i) * a.dangles.s[1] +
-                                              n * a.dangles.s[3]] = dang;
+      if (rot0) pdang[0] = dang[0];
+      if (rot1) pdang[das3] = dang[1];
     }
     const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
     {
