@@ -300,6 +300,24 @@ def run_and_check_ddt(fn, inp):
 
 # ------------------------------------------------------------------------------ call helpers
 
+# Bad inputs of compute_dqktheta on CPU tensors, as (the name the error must carry, a mutation of
+# make_dqktheta_inputs(2, 8, 2, 4, 16, 4, float32, dok=True)'s dict): the CPU front-end tests and
+# the compiled-binding tests share them.
+DQK_BAD_CPU = [
+    ("q", lambda i: i.update(q=i["q"].double())),
+    ("k", lambda i: i.update(k=i["k"][:, :, :, :14])),
+    ("H % G", lambda i: i.update(q=torch.randn(2, 8, 3, 16), k=torch.randn(2, 8, 3, 16))),
+    ("N=15", lambda i: i.update(q=torch.randn(2, 8, 2, 15), k=torch.randn(2, 8, 2, 15))),
+    ("angles", lambda i: i.update(angles=torch.randn(2, 8, 4, 9))),
+    ("d_ok_state", lambda i: i.update(d_ok_state=torch.randn(3, 4, 16))),
+    ("dq_in", lambda i: i.update(dq_in=i["dq_in"].to(torch.int32))),
+    ("q", lambda i: i.update(q=i["q"][0])),
+    ("scale", lambda i: i.update(scale=i["scale"][0])),
+    ("q_bias", lambda i: i.update(q_bias=i["q_bias"][:3])),
+    ("gamma", lambda i: i.update(gamma=None)),
+    ("k", lambda i: i.update(k=None)),
+]
+
 DQK_ARGS = ("q", "k", "scale", "gamma", "q_bias", "k_bias", "angles", "dq_in", "dk_in", "dqk",
             "d_ok_state")
 DDT_ARGS = ("dscale", "dgamma", "dt", "trap", "d_issm_state", "input_k_state", "input_v_state")
