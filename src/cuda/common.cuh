@@ -32,6 +32,18 @@ inline void check_cuda(cudaError_t e, const char* what) {
 // Checks the launch just enqueued (bad configuration, missing kernel image, ...).
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
+// Programmatic dependent launch (Hopper): a kernel launched with `pdl_attr` may be scheduled
+// while the kernel before it on the stream is still finishing, which hides the launch gap
+// between back-to-back kernels (a large share of a few-microsecond kernel). Contract: such a
+// kernel calls pdl_wait() before its first global memory access (load or store), so it sees
+// every write of the kernels before it and they see none of its own.
+inline cudaLaunchAttribute pdl_attr() {
+  cudaLaunchAttribute at;
+  at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at.val.programmaticStreamSerializationAllowed = 1;
+  return at;
+}
+
 // Raises a kernel's dynamic shared-memory limit on the current device, once per (kernel,
 // device, size): later calls (e.g. inside CUDA-graph capture) then make no attribute call.
 inline void set_smem(const void* kern, int device, size_t bytes, const char* what) {
@@ -162,6 +174,16 @@ inline void byte_span(const TensorView& v, uintptr_t* lo, uintptr_t* hi) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(v.data);
   *lo = base + static_cast<uintptr_t>(mn * es);
   *hi = base + static_cast<uintptr_t>(mx * es + es);
+}
+
+// ------------------------------------------------------------------ device side: PDL
+
+// Waits until the kernels before this one on the stream have completed and their writes are
+// visible (a no-op when the kernel was launched without pdl_attr).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // ------------------------------------------------------------------ device side: dtypes
