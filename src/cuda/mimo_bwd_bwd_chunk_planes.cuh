@@ -70,8 +70,9 @@ BB_DEV void with_dout_dtype(int dt, F f) {
     f(DTag<__nv_bfloat16>{});
 }
 
+// (bf16 widened by a shift: the same bits as __bfloat162float, without its conversion.)
 BB_DEV float f_of_bits(unsigned short u, DTag<__nv_bfloat16>) {
-  return __bfloat162float(__ushort_as_bfloat16(u));
+  return mimo::mb_u2f(static_cast<uint32_t>(u) << 16);
 }
 BB_DEV float f_of_bits(unsigned short u, DTag<__half>) { return __half2float(__ushort_as_half(u)); }
 
@@ -85,13 +86,20 @@ BB_DEV float ld_t(const View& v, int64_t off) {
 }
 
 // Elements off and off + st (st: the last dim's stride): one load of the pair when vec (unit
-// last stride, off even, aligned: Args::vec_*), else two loads of the same elements.
+// last stride, off even, aligned: Args::vec_*), else two loads of the same elements. bf16
+// pairs are widened by a shift and a mask (the same bits as the conversions, fewer
+// instructions).
 template <class T>
 BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
   if constexpr (sizeof(T) == 4) {
     const float* p = reinterpret_cast<const float*>(v.p) + off;
     if (vec) return mimo::mb_ldg(reinterpret_cast<const float2*>(p));
     return make_float2(mimo::mb_ldg(p), mimo::mb_ldg(p + st));
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(v.p) + off;
+    const uint32_t u = vec ? mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p))
+                           : mimo::mb_ldg(p) | (static_cast<uint32_t>(mimo::mb_ldg(p + st)) << 16);
+    return make_float2(mimo::mb_u2f(u << 16), mimo::mb_u2f(u & 0xffff0000u));
   } else {
     const unsigned short* p = reinterpret_cast<const unsigned short*>(v.p) + off;
     unsigned short u0, u1;
@@ -213,10 +221,12 @@ BB_DEV void st_split_pair(const mimo::SplitTile& t, int e, float2 x) {
 
 // hi + lo of elements e, e + 1 (e even; the operand as the products see it): one 4-byte load
 // per plane.
+// (Widened by a shift / mask: the same bits as __bfloat1622float2, without its byte permutes.)
 BB_DEV float2 plane_val2(const mimo::SplitTile& t, int e) {
-  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.h + e));
-  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.h + t.plane + e));
-  return make_float2(hi.x + lo.x, hi.y + lo.y);
+  const uint32_t hi = *reinterpret_cast<const uint32_t*>(t.h + e);
+  const uint32_t lo = *reinterpret_cast<const uint32_t*>(t.h + t.plane + e);
+  return make_float2(mimo::mb_u2f(hi << 16) + mimo::mb_u2f(lo << 16),
+                     mimo::mb_u2f(hi & 0xffff0000u) + mimo::mb_u2f(lo & 0xffff0000u));
 }
 
 // For a warp's 16 x 16 accumulator tile (rows m0.., columns n0..), the row sums of
@@ -1217,8 +1227,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         auto ldg = [&](const unsigned short* p, float (&x)[NC]) {
           if constexpr (NC == 2) {  // (only where vec_qk holds)
             const unsigned int u = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p));
-            x[0] = f_of_bits(static_cast<unsigned short>(u & 0xffffu), DTag<bf16_t>{});
-            x[1] = f_of_bits(static_cast<unsigned short>(u >> 16), DTag<bf16_t>{});
+            x[0] = mimo::mb_u2f(u << 16), x[1] = mimo::mb_u2f(u & 0xffff0000u);
           } else {
             x[0] = f_of_bits(mimo::mb_ldg(p), DTag<bf16_t>{});
           }
