@@ -86,9 +86,10 @@ BB_DEV float ld_t(const View& v, int64_t off) {
 }
 
 // Elements off and off + st (st: the last dim's stride): one load of the pair when vec (unit
-// last stride, off even, aligned: Args::vec_*), else two loads of the same elements. bf16
-// pairs are widened by a shift and a mask (the same bits as the conversions, fewer
-// instructions).
+// last stride, off even, aligned: Args::vec_*), else two loads of the same elements. Callers on
+// hot paths pass vec as a compile-time constant (a fast-path loop and a fallback loop): with a
+// runtime vec the compiler predicates both paths and issues all three loads. bf16 pairs are
+// widened by a shift and a mask (the same bits as the conversions, fewer instructions).
 template <class T>
 BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
   if constexpr (sizeof(T) == 4) {
@@ -539,11 +540,13 @@ BB_DEV void st_split4(const mimo::SplitTile& t, int e, float4 x) {
 }
 
 // Elements p[0], p[st], p[2 st], p[3 st] of a bf16 tensor as fp32 (exact): one 8-byte load when
-// vec = 2 (Args::vec_*: st = 1, p 8-byte aligned), else four 2-byte loads (the same values; no
+// kQuad (Args::vec_* = 2: st = 1, p 8-byte aligned), else four 2-byte loads (the same values; no
 // third variant for pair layouts: code the instruction cache would hold for rare layouts).
-BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st, int vec) {
+// kQuad is a compile-time choice: with a runtime one both paths were predicated and issued.
+template <bool kQuad>
+BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st) {
   uint2 u;
-  if (vec == 2) {
+  if constexpr (kQuad) {
     u = mimo::mb_ldg(reinterpret_cast<const uint2*>(p));
   } else {
     u.x = mimo::mb_ldg(p) | (static_cast<uint32_t>(mimo::mb_ldg(p + st)) << 16);
@@ -565,6 +568,9 @@ BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
   const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 4;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
   const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2] + n * as3;
+  bool quad = true;
+  BB_UNROLL
+  for (int k = 0; k < NX; ++k) quad = quad && src[k].vec == 2;
   for (int i = tid >> lgQ; i < a.C; i += NT >> lgQ) {
     float sn[4] = {0.f, 0.f, 0.f, 0.f}, cs[4] = {1.f, 1.f, 1.f, 1.f};
     if (i < L && n < A) {
@@ -583,48 +589,60 @@ BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
         sn[3] = j == 3 ? sv : sn[3], cs[3] = j == 3 ? cv : cs[3];
       }
     }
-    BB_UNROLL
-    for (int k = 0; k < NX; ++k) {
-      const View& x = *src[k].x;
-      const unsigned short* xp = reinterpret_cast<const unsigned short*>(x.p);
-      const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
-      // Rank r's row offset: xrow + r sr, stepped by one add per rank.
-      int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
-      for (int r0 = 0; r0 < R; r0 += RG) {
-        float4 x1[RG], x2[RG];  // loads first
-        BB_UNROLL
-        for (int u = 0; u < RG; ++u, o += sr) {
-          const int r = r0 + u;
-          x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (r < R && i < L) {
-            const float4 lo = ld4_bf16(xp + o, sx, src[k].vec);
-            const float4 hi = ld4_bf16(xp + o + hs, sx, src[k].vec);
-            const float4 b1 = bias(k, r, n), b2 = bias(k, r, half + n);
-            x1[u] = make_float4(lo.x + b1.x, lo.y + b1.y, lo.z + b1.z, lo.w + b1.w);
-            x2[u] = make_float4(hi.x + b2.x, hi.y + b2.y, hi.z + b2.z, hi.w + b2.w);
-          }
-        }
-        const mimo::SplitTile& out = src[k].out;
-        BB_UNROLL
-        for (int u = 0; u < RG; ++u) {
-          const int r = r0 + u;
-          if (r < R) {
-            const int row = (i << lgR) + r;
-            float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
-            float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
-            float y1[4], y2[4];
-            BB_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              y1[j] = v1[j], y2[j] = v2[j];
-              if (n + j < A)
-                y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
+    // The loads' layout chosen per step task (a uniform branch; the sincos above stays one
+    // copy): the quad-load body (every source with vec 2) issues only its 8-byte loads; the
+    // fallback (other layouts, rare) takes the ranks one at a time (RG 1: less code) with
+    // 2-byte loads. Same values and arithmetic per element either way.
+    auto rows = [&](auto quad_tag) {
+      constexpr bool kQuad = decltype(quad_tag)::value;
+      constexpr int G = kQuad ? RG : 1;
+      BB_UNROLL
+      for (int k = 0; k < NX; ++k) {
+        const View& x = *src[k].x;
+        const unsigned short* xp = reinterpret_cast<const unsigned short*>(x.p);
+        const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
+        // Rank r's row offset: xrow + r sr, stepped by one add per rank.
+        int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+        for (int r0 = 0; r0 < R; r0 += G) {
+          float4 x1[G], x2[G];  // loads first
+          BB_UNROLL
+          for (int u = 0; u < G; ++u, o += sr) {
+            const int r = r0 + u;
+            x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r < R && i < L) {
+              const float4 lo = ld4_bf16<kQuad>(xp + o, sx);
+              const float4 hi = ld4_bf16<kQuad>(xp + o + hs, sx);
+              const float4 b1 = bias(k, r, n), b2 = bias(k, r, half + n);
+              x1[u] = make_float4(lo.x + b1.x, lo.y + b1.y, lo.z + b1.z, lo.w + b1.w);
+              x2[u] = make_float4(hi.x + b2.x, hi.y + b2.y, hi.z + b2.z, hi.w + b2.w);
             }
-            st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
-            st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
+          }
+          const mimo::SplitTile& out = src[k].out;
+          BB_UNROLL
+          for (int u = 0; u < G; ++u) {
+            const int r = r0 + u;
+            if (r < R) {
+              const int row = (i << lgR) + r;
+              float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
+              float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
+              float y1[4], y2[4];
+              BB_UNROLL
+              for (int j = 0; j < 4; ++j) {
+                y1[j] = v1[j], y2[j] = v2[j];
+                if (n + j < A)
+                  y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
+              }
+              st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
+              st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
+            }
           }
         }
       }
-    }
+    };
+    if (quad)
+      rows(std::true_type{});
+    else
+      rows(std::false_type{});
   }
 }
 
@@ -830,18 +848,24 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int64_t vb = v0 + int64_t{s0} * a.v.s[1] + pc_t * vs;
       const int64_t db = dr.base + int64_t{s0} * dr.st + r_t * dr.sr + pc_t * dr.sp;
       // The gated rows (the combined backward) two at a time: four at a time, the gate's
-      // registers made ptxas spill; the ungated loop keeps four rows in flight.
-      auto xg_rows = [&](auto rows_tag, auto gate_tag) {
-        constexpr int U = decltype(rows_tag)::value;
+      // registers made ptxas spill; the ungated loop keeps four rows in flight. The pair-load
+      // choice (vec_tag: 1 pair loads, 0 two loads each, -1 a.vec_v / a.vec_dout at run time)
+      // is compile-time in the ungated loops, so that the fast one issues only its pair loads
+      // (with a runtime choice both paths were predicated and issued); the fallback (layouts
+      // without pair loads, rare) one row at a time: less code, the same rows in the same order.
+      auto xg_rows = [&](auto rows_tag, auto gate_tag, auto vec_tag) {
+        constexpr int U = decltype(rows_tag)::value, V = decltype(vec_tag)::value;
         constexpr bool kGate = decltype(gate_tag)::value;
+        const bool vec_v = V < 0 ? a.vec_v != 0 : V == 1;
+        const bool vec_d = V < 0 ? a.vec_dout != 0 : V == 1;
         pair_rows_steps<U, NT>(
             T, lgP, lgR, a.v.s[1], dr.st,
             [&](int row, int64_t ov, int64_t od, int pc) {
               XGPair o{};  // zero past the sequence
               if (row < TL) {
-                const float2 vv = ld2_t<bf16_t>(a.v, vb + ov, vs, a.vec_v);
+                const float2 vv = ld2_t<bf16_t>(a.v, vb + ov, vs, vec_v);
                 o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
-                o.g = ld2_t<TD>(a.dout, db + od, dr.sp, a.vec_dout);
+                o.g = ld2_t<TD>(a.dout, db + od, dr.sp, vec_d);
                 if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
                 if constexpr (kGate) {
                   const float2 gz = z_gate2(a, b, s0 + (row >> lgR), h, pc,
@@ -858,30 +882,48 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
               st_split_pair(Gp, row * ldP + pc, o.g);
             });
       };
+      using I = std::integral_constant<int, -1>;
       if (a.gate)
-        xg_rows(std::integral_constant<int, 2>{}, std::true_type{});
+        xg_rows(std::integral_constant<int, 2>{}, std::true_type{}, I{});
+      else if (a.vec_v && a.vec_dout)
+        xg_rows(std::integral_constant<int, 4>{}, std::false_type{}, std::integral_constant<int, 1>{});
       else
-        xg_rows(std::integral_constant<int, 4>{}, std::false_type{});
+        xg_rows(std::integral_constant<int, 1>{}, std::false_type{}, std::integral_constant<int, 0>{});
     });
     // states[c] to planes; with them the row dots states . dS for DDA (dS, the workspace:
     // [N][P] fp32 at an even element offset), so that the states are read once per chunk.
     float dda_part = 0.f;
-    with_dtype(a.states.dt, [&](auto stag) {
-      using TS = typename decltype(stag)::type;
+    {
       const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
-      pair_rows_lin<4, NT>(
-          N, lgP, ss3,
-          [&](int n, int64_t off, int pc) {
-            const float2 st = ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
-            const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
-            return make_float4(st.x, st.y, ds.x, ds.y);
-          },
-          [&](int n, int64_t, int pc, float4 sd) {
-            dda_part += sd.x * sd.z;
-            dda_part += sd.y * sd.w;
-            st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
-          });
-    });
+      // U rows in flight; ld_st(off): the states pair at elements off, off + ss4.
+      auto states_rows = [&](auto rows_tag, auto ld_st) {
+        pair_rows_lin<decltype(rows_tag)::value, NT>(
+            N, lgP, ss3,
+            [&](int n, int64_t off, int pc) {
+              const float2 st = ld_st(sb + off + pc * ss4);
+              const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
+              return make_float4(st.x, st.y, ds.x, ds.y);
+            },
+            [&](int n, int64_t, int pc, float4 sd) {
+              dda_part += sd.x * sd.z;
+              dda_part += sd.y * sd.w;
+              st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
+            });
+      };
+      // Pair loads by dtype (only they: a runtime pair choice issued both paths); layouts
+      // without pair loads (rare) in one runtime-dtype loop, a row at a time (the same values,
+      // rows and order as the pair loop).
+      if (a.vec_states)
+        with_dtype(a.states.dt, [&](auto stag) {
+          using TS = typename decltype(stag)::type;
+          states_rows(std::integral_constant<int, 4>{},
+                      [&](int64_t o) { return ld2_t<TS>(a.states, o, ss4, true); });
+        });
+      else
+        states_rows(std::integral_constant<int, 1>{}, [&](int64_t o) {
+          return make_float2(ld(a.states, o), ld(a.states, o + ss4));
+        });
+    }
     // Both block sums in one tree; its barriers also end the loads above. The DDA total is kept
     // in shared memory (red[2 NT], past the tree) until the per-step outputs: a register live
     // across phase 2 would cost spills there.
