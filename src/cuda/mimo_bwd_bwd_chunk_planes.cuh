@@ -74,6 +74,23 @@ BB_DEV void with_dout_dtype(int dt, F f) {
 BB_DEV float f_of_bits(unsigned short u, DTag<__nv_bfloat16>) {
   return mimo::mb_u2f(static_cast<uint32_t>(u) << 16);
 }
+// f(std::integral_constant<int, 1 << lg>{}) for lg in 0..3 (R and its halves on the planes
+// path: R is a power of two <= kMaxR = 8): rank loops with compile-time trip counts, one small
+// copy per rank count, instead of kMaxR-long loops with a runtime test per rank.
+template <class F>
+BB_DEV void with_pow2(int lg, F f) {
+  if (lg == 3)
+    f(std::integral_constant<int, 8>{});
+  else if (lg == 2)
+    f(std::integral_constant<int, 4>{});
+  else if (lg == 1)
+    f(std::integral_constant<int, 2>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+template <int K>
+constexpr int lg_of = K == 8 ? 3 : K == 4 ? 2 : K == 2 ? 1 : 0;
+
 BB_DEV float f_of_bits(unsigned short u, DTag<__half>) { return __half2float(__ushort_as_half(u)); }
 
 // Element off of a tensor of dtype T, as float.
@@ -971,17 +988,23 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
     // The coefficient matrices are built by (row, column pair) tasks, one split pair store per
     // task; the two columns share their step j (one weight) unless R = 1. M1 reads XG
-    // transposed, so its tasks run along the rows (conflict-free loads).
-    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-      const int row = e & (T - 1), ca = (e >> lgT) * 2, i = row >> lgR;
-      const int j0 = ca >> lgR, j1 = (ca + 1) >> lgR;
-      const bool live0 = j0 < i && row < TL, live1 = j1 < i && row < TL;
-      const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
-      const float w1 = lgR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
-      st_split_pair(Mc, row * ldT + ca,
-                    make_float2(live0 ? w0 * XG[(ca << lgT) + row] : 0.f,
-                                live1 ? w1 * XG[((ca + 1) << lgT) + row] : 0.f));
-    }
+    // transposed, so its tasks run along the rows (conflict-free loads). The three builds with
+    // R compile-time (with_pow2): constant shifts, and at R > 1 the second column's step, weight
+    // and mask are the first's (ca even), not formed (and loaded) again.
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      BB_NO_UNROLL  // (as before the templating: unrolled, four copies would be ~1K instructions)
+      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+        const int row = e & (T - 1), ca = (e >> lgT) * 2, i = row >> LR;
+        const int j0 = ca >> LR, j1 = LR > 0 ? j0 : ca + 1;
+        const bool live0 = j0 < i && row < TL, live1 = LR > 0 ? live0 : j1 < i && row < TL;
+        const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
+        const float w1 = LR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
+        st_split_pair(Mc, row * ldT + ca,
+                      make_float2(live0 ? w0 * XG[(ca << lgT) + row] : 0.f,
+                                  live1 ? w1 * XG[((ca + 1) << lgT) + row] : 0.f));
+      }
+    });
     bb_sync();
     float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
     BB_UNROLL
@@ -1004,17 +1027,20 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         [&](int, int64_t off, int pc) { return *reinterpret_cast<const float2*>(dS + off + pc); },
         [&](int n, int64_t, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
     // (Not unrolled: it runs with the dqh accumulators live; unrolled, it spilled.)
-    BB_NO_UNROLL
-    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-      const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> lgR;
-      const int j0 = cb >> lgR, j1 = (cb + 1) >> lgR;
-      const bool live0 = j0 > i && j0 < L, live1 = j1 > i && j1 < L;
-      const float w0 = live0 ? Wf(j0, i) : 0.f;
-      const float w1 = lgR > 0 ? w0 : live1 ? Wf(j1, i) : 0.f;
-      const float2 xg = *reinterpret_cast<const float2*>(XG + (row << lgT) + cb);
-      st_split_pair(Mc, row * ldT + cb,
-                    make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
-    }
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      BB_NO_UNROLL
+      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+        const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> LR;
+        const int j0 = cb >> LR, j1 = LR > 0 ? j0 : cb + 1;
+        const bool live0 = j0 > i && j0 < L, live1 = LR > 0 ? live0 : j1 > i && j1 < L;
+        const float w0 = live0 ? Wf(j0, i) : 0.f;
+        const float w1 = LR > 0 ? w0 : live1 ? Wf(j1, i) : 0.f;
+        const float2 xg = *reinterpret_cast<const float2*>(XG + (row << lgT) + cb);
+        st_split_pair(Mc, row * ldT + cb,
+                      make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
+      }
+    });
     bb_sync();  // mc and the dS planes
     const float dda = expf(da_last) * red[2 * NT];
     BB_UNROLL
@@ -1034,24 +1060,29 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- dx. M3[(i,r2)][(j,r)] = W[j][i] ts_i KQ[(i,r2)][(j,r)] (j > i),
     //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
-    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-      const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> lgR,
-                r2 = row & (R - 1);
-      const float2 kq = *reinterpret_cast<const float2*>(KQ + (row << lgT) + cb);
-      float m[2];
-      BB_UNROLL
-      for (int u = 0; u < 2; ++u) {
-        const int rb = cb + u, j = rb >> lgR, r = rb & (R - 1);
-        m[u] = 0.f;
-        if (row < TL && j < L) {
-          if (j > i)
-            m[u] = (Wf(j, i) * s_ts[i]) * (u == 0 ? kq.x : kq.y);
-          else if (j == i)
-            m[u] = s_gam[i] * s_qk[(((i << lgR) + r) << lgR) + r2] + (r == r2 ? Dh : 0.f);
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      BB_NO_UNROLL  // (as M1)
+      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+        const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> LR,
+                  r2 = row & (KR - 1);
+        const float2 kq = *reinterpret_cast<const float2*>(KQ + (row << lgT) + cb);
+        float m[2];
+        BB_UNROLL
+        for (int u = 0; u < 2; ++u) {
+          // (At R > 1 both columns have step cb >> LR: cb is even.)
+          const int j = LR > 0 ? cb >> LR : cb + u, r = (cb & (KR - 1)) + (LR > 0 ? u : 0);
+          m[u] = 0.f;
+          if (row < TL && j < L) {
+            if (j > i)
+              m[u] = (Wf(j, i) * s_ts[i]) * (u == 0 ? kq.x : kq.y);
+            else if (j == i)
+              m[u] = s_gam[i] * s_qk[((i * KR + r) << LR) + r2] + (r == r2 ? Dh : 0.f);
+          }
         }
+        st_split_pair(Mc, row * ldT + cb, make_float2(m[0], m[1]));
       }
-      st_split_pair(Mc, row * ldT + cb, make_float2(m[0], m[1]));
-    }
+    });
     // Per-step outputs (the row partials are complete since the last barrier): a warp per step,
     // eight lanes per sum (DDA_CS, DDA_CS_REV, DFACTOR, DGAMMA), so that every warp has the same
     // share of the work before the barrier below (one thread per step kept 15 warps waiting
