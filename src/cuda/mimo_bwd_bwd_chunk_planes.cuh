@@ -1150,25 +1150,30 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       // fills every warp already; at R = 1 the second lane would idle). lgU is CTA-uniform
       // (the shuffle's trip counts are warp-uniform: 2 C^2 lanes, C >= 8).
       const int lgU = ((C << lgC) < NT && R > 1) ? 1 : 0;
-      const int hr = (R + lgU) >> lgU;
-      for (int e = tid; e < (C << (lgC + lgU)); e += NT) {
-        const int u = e & lgU, s = e >> (lgC + lgU), tq = (e >> lgU) & (C - 1);
-        const int rb = u * hr, nr = bb_min(R - rb, hr);
-        const bool valid = s < L && tq < L;
-        float acc = 0.f;
-        if (valid) {
-          // The ranks r unrolled (immediate offsets); r2 not (its registers: this runs with
-          // the dqh / dkh accumulators live).
-          for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR) + rb; r2 < R; ++r2, b2 += T) {
-            BB_UNROLL
-            for (int r = 0; r < kMaxR; ++r)
-              if (r < nr) acc += KQ[b2 + r] * XG[b2 + r];
+      // A lane's rank count NR = R >> lgU compile-time (R a power of two: lane u's ranks
+      // u NR .. u NR + NR - 1): no predicated-off iterations of a kMaxR-long loop.
+      with_pow2(lgR - lgU, [&](auto nr_tag) {
+        constexpr int NR = decltype(nr_tag)::value;
+        BB_NO_UNROLL  // (as before the templating: code size)
+        for (int e = tid; e < (C << (lgC + lgU)); e += NT) {
+          const int u = e & lgU, s = e >> (lgC + lgU), tq = (e >> lgU) & (C - 1);
+          const int rb = u * NR;
+          const bool valid = s < L && tq < L;
+          float acc = 0.f;
+          if (valid) {
+            // The ranks r unrolled (immediate offsets); r2 not (its registers: this runs with
+            // the dqh / dkh accumulators live; and code size: four copies).
+            BB_NO_UNROLL
+            for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR) + rb; r2 < R; ++r2, b2 += T) {
+              BB_UNROLL
+              for (int r = 0; r < NR; ++r) acc += KQ[b2 + r] * XG[b2 + r];
+            }
           }
+          if (lgU) acc += mimo::mb_shfl_xor(acc, 1);
+          if (u == 0)
+            dssda[dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4]] = valid ? acc * s_ts[s] : 0.f;
         }
-        if (lgU) acc += mimo::mb_shfl_xor(acc, 1);
-        if (u == 0)
-          dssda[dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4]] = valid ? acc * s_ts[s] : 0.f;
-      }
+      });
     }
     bb_sync();
     for (int tile = warp; tile < (T * P) >> 8; tile += kPlanesWarps) {
@@ -1393,20 +1398,30 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
     {
       // This thread's column p is fixed (NT is a multiple of P): its mimo_v[h][r][p] once.
+      // R compile-time (with_pow2) for the weight loads and each row's sum: R loads and R terms,
+      // not kMaxR predicated ones; the loop and its runtime-dtype store stay one copy.
       const int p = tid & (P - 1);
       const int64_t mv0 = int64_t{h} * a.mimo_v.s[0] + p * a.mimo_v.s[2];
-      float mvr[kMaxR];
-      BB_UNROLL
-      for (int r = 0; r < kMaxR; ++r)
-        mvr[r] = r < R ? ld(a.mimo_v, mv0 + r * a.mimo_v.s[1]) : 0.f;
+      float mvr[kMaxR] = {};
+      with_pow2(lgR, [&](auto kr) {
+        constexpr int KR = decltype(kr)::value;
+        uint32_t u[KR];  // raw loads first, then their values (rt_ld's values)
+        BB_UNROLL
+        for (int r = 0; r < KR; ++r)
+          u[r] = rt_ld_raw(a.mimo_v.p, mv0 + r * a.mimo_v.s[1], a.mimo_v.dt);
+        BB_UNROLL
+        for (int r = 0; r < KR; ++r) mvr[r] = rt_raw_f(u[r], a.mimo_v.dt);
+      });
       // (A runtime-dtype store: a few elements per thread, as segsum above.)
       const int64_t dv0 = int64_t{b} * a.dv.s[0] + int64_t{h} * a.dv.s[2] + p * a.dv.s[3];
       const int64_t ds1 = a.dv.s[1];
       for (int i = tid >> lgP; i < L; i += NT >> lgP) {
         float acc = 0.f;
-        BB_UNROLL
-        for (int r = 0; r < kMaxR; ++r)
-          if (r < R) acc += dx[(((i << lgR) + r) << lgP) + p] * mvr[r];
+        with_pow2(lgR, [&](auto kr) {
+          constexpr int KR = decltype(kr)::value;
+          BB_UNROLL
+          for (int r = 0; r < KR; ++r) acc += dx[((i * KR + r) << lgP) + p] * mvr[r];
+        });
         st(a.dv, dv0 + (s0 + i) * ds1, acc);
       }
     }
