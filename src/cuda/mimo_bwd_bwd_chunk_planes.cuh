@@ -74,6 +74,8 @@ BB_DEV void with_dout_dtype(int dt, F f) {
 BB_DEV float f_of_bits(unsigned short u, DTag<__nv_bfloat16>) {
   return mimo::mb_u2f(static_cast<uint32_t>(u) << 16);
 }
+BB_DEV float f_of_bits(unsigned short u, DTag<__half>) { return __half2float(__ushort_as_half(u)); }
+
 // f(std::integral_constant<int, 1 << lg>{}) for lg in 0..3 (R and its halves on the planes
 // path: R is a power of two <= kMaxR = 8): rank loops with compile-time trip counts, one small
 // copy per rank count, instead of kMaxR-long loops with a runtime test per rank.
@@ -90,8 +92,6 @@ BB_DEV void with_pow2(int lg, F f) {
 }
 template <int K>
 constexpr int lg_of = K == 8 ? 3 : K == 4 ? 2 : K == 2 ? 1 : 0;
-
-BB_DEV float f_of_bits(unsigned short u, DTag<__half>) { return __half2float(__ushort_as_half(u)); }
 
 // Element off of a tensor of dtype T, as float.
 template <class T>
@@ -899,13 +899,15 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
               st_split_pair(Gp, row * ldP + pc, o.g);
             });
       };
-      using I = std::integral_constant<int, -1>;
+      using Run = std::integral_constant<int, -1>;
+      using Pair = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 0>;
       if (a.gate)
-        xg_rows(std::integral_constant<int, 2>{}, std::true_type{}, I{});
+        xg_rows(std::integral_constant<int, 2>{}, std::true_type{}, Run{});
       else if (a.vec_v && a.vec_dout)
-        xg_rows(std::integral_constant<int, 4>{}, std::false_type{}, std::integral_constant<int, 1>{});
+        xg_rows(std::integral_constant<int, 4>{}, std::false_type{}, Pair{});
       else
-        xg_rows(std::integral_constant<int, 1>{}, std::false_type{}, std::integral_constant<int, 0>{});
+        xg_rows(std::integral_constant<int, 1>{}, std::false_type{}, Two{});
     });
     // states[c] to planes; with them the row dots states . dS for DDA (dS, the workspace:
     // [N][P] fp32 at an even element offset), so that the states are read once per chunk.
