@@ -70,10 +70,28 @@ BB_DEV void with_dout_dtype(int dt, F f) {
     f(DTag<__nv_bfloat16>{});
 }
 
+// (bf16 widened by a shift: the same bits as __bfloat162float, without its conversion.)
 BB_DEV float f_of_bits(unsigned short u, DTag<__nv_bfloat16>) {
-  return __bfloat162float(__ushort_as_bfloat16(u));
+  return mimo::mb_u2f(static_cast<uint32_t>(u) << 16);
 }
 BB_DEV float f_of_bits(unsigned short u, DTag<__half>) { return __half2float(__ushort_as_half(u)); }
+
+// f(std::integral_constant<int, 1 << lg>{}) for lg in 0..3 (R and its halves on the planes
+// path: R is a power of two <= kMaxR = 8): rank loops with compile-time trip counts, one small
+// copy per rank count, instead of kMaxR-long loops with a runtime test per rank.
+template <class F>
+BB_DEV void with_pow2(int lg, F f) {
+  if (lg == 3)
+    f(std::integral_constant<int, 8>{});
+  else if (lg == 2)
+    f(std::integral_constant<int, 4>{});
+  else if (lg == 1)
+    f(std::integral_constant<int, 2>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+template <int K>
+constexpr int lg_of = K == 8 ? 3 : K == 4 ? 2 : K == 2 ? 1 : 0;
 
 // Element off of a tensor of dtype T, as float.
 template <class T>
@@ -85,13 +103,21 @@ BB_DEV float ld_t(const View& v, int64_t off) {
 }
 
 // Elements off and off + st (st: the last dim's stride): one load of the pair when vec (unit
-// last stride, off even, aligned: Args::vec_*), else two loads of the same elements.
+// last stride, off even, aligned: Args::vec_*), else two loads of the same elements. Callers on
+// hot paths pass vec as a compile-time constant (a fast-path loop and a fallback loop): with a
+// runtime vec the compiler predicates both paths and issues all three loads. bf16 pairs are
+// widened by a shift and a mask (the same bits as the conversions, fewer instructions).
 template <class T>
 BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
   if constexpr (sizeof(T) == 4) {
     const float* p = reinterpret_cast<const float*>(v.p) + off;
     if (vec) return mimo::mb_ldg(reinterpret_cast<const float2*>(p));
     return make_float2(mimo::mb_ldg(p), mimo::mb_ldg(p + st));
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(v.p) + off;
+    const uint32_t u = vec ? mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p))
+                           : mimo::mb_ldg(p) | (static_cast<uint32_t>(mimo::mb_ldg(p + st)) << 16);
+    return make_float2(mimo::mb_u2f(u << 16), mimo::mb_u2f(u & 0xffff0000u));
   } else {
     const unsigned short* p = reinterpret_cast<const unsigned short*>(v.p) + off;
     unsigned short u0, u1;
@@ -213,10 +239,12 @@ BB_DEV void st_split_pair(const mimo::SplitTile& t, int e, float2 x) {
 
 // hi + lo of elements e, e + 1 (e even; the operand as the products see it): one 4-byte load
 // per plane.
+// (Widened by a shift / mask: the same bits as __bfloat1622float2, without its byte permutes.)
 BB_DEV float2 plane_val2(const mimo::SplitTile& t, int e) {
-  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.h + e));
-  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t.h + t.plane + e));
-  return make_float2(hi.x + lo.x, hi.y + lo.y);
+  const uint32_t hi = *reinterpret_cast<const uint32_t*>(t.h + e);
+  const uint32_t lo = *reinterpret_cast<const uint32_t*>(t.h + t.plane + e);
+  return make_float2(mimo::mb_u2f(hi << 16) + mimo::mb_u2f(lo << 16),
+                     mimo::mb_u2f(hi & 0xffff0000u) + mimo::mb_u2f(lo & 0xffff0000u));
 }
 
 // For a warp's 16 x 16 accumulator tile (rows m0.., columns n0..), the row sums of
@@ -529,11 +557,13 @@ BB_DEV void st_split4(const mimo::SplitTile& t, int e, float4 x) {
 }
 
 // Elements p[0], p[st], p[2 st], p[3 st] of a bf16 tensor as fp32 (exact): one 8-byte load when
-// vec = 2 (Args::vec_*: st = 1, p 8-byte aligned), else four 2-byte loads (the same values; no
+// kQuad (Args::vec_* = 2: st = 1, p 8-byte aligned), else four 2-byte loads (the same values; no
 // third variant for pair layouts: code the instruction cache would hold for rare layouts).
-BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st, int vec) {
+// kQuad is a compile-time choice: with a runtime one both paths were predicated and issued.
+template <bool kQuad>
+BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st) {
   uint2 u;
-  if (vec == 2) {
+  if constexpr (kQuad) {
     u = mimo::mb_ldg(reinterpret_cast<const uint2*>(p));
   } else {
     u.x = mimo::mb_ldg(p) | (static_cast<uint32_t>(mimo::mb_ldg(p + st)) << 16);
@@ -555,6 +585,9 @@ BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
   const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 4;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
   const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2] + n * as3;
+  bool quad = true;
+  BB_UNROLL
+  for (int k = 0; k < NX; ++k) quad = quad && src[k].vec == 2;
   for (int i = tid >> lgQ; i < a.C; i += NT >> lgQ) {
     float sn[4] = {0.f, 0.f, 0.f, 0.f}, cs[4] = {1.f, 1.f, 1.f, 1.f};
     if (i < L && n < A) {
@@ -573,48 +606,60 @@ BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
         sn[3] = j == 3 ? sv : sn[3], cs[3] = j == 3 ? cv : cs[3];
       }
     }
-    BB_UNROLL
-    for (int k = 0; k < NX; ++k) {
-      const View& x = *src[k].x;
-      const unsigned short* xp = reinterpret_cast<const unsigned short*>(x.p);
-      const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
-      // Rank r's row offset: xrow + r sr, stepped by one add per rank.
-      int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
-      for (int r0 = 0; r0 < R; r0 += RG) {
-        float4 x1[RG], x2[RG];  // loads first
-        BB_UNROLL
-        for (int u = 0; u < RG; ++u, o += sr) {
-          const int r = r0 + u;
-          x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (r < R && i < L) {
-            const float4 lo = ld4_bf16(xp + o, sx, src[k].vec);
-            const float4 hi = ld4_bf16(xp + o + hs, sx, src[k].vec);
-            const float4 b1 = bias(k, r, n), b2 = bias(k, r, half + n);
-            x1[u] = make_float4(lo.x + b1.x, lo.y + b1.y, lo.z + b1.z, lo.w + b1.w);
-            x2[u] = make_float4(hi.x + b2.x, hi.y + b2.y, hi.z + b2.z, hi.w + b2.w);
-          }
-        }
-        const mimo::SplitTile& out = src[k].out;
-        BB_UNROLL
-        for (int u = 0; u < RG; ++u) {
-          const int r = r0 + u;
-          if (r < R) {
-            const int row = (i << lgR) + r;
-            float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
-            float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
-            float y1[4], y2[4];
-            BB_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              y1[j] = v1[j], y2[j] = v2[j];
-              if (n + j < A)
-                y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
+    // The loads' layout chosen per step task (a uniform branch; the sincos above stays one
+    // copy): the quad-load body (every source with vec 2) issues only its 8-byte loads; the
+    // fallback (other layouts, rare) takes the ranks one at a time (RG 1: less code) with
+    // 2-byte loads. Same values and arithmetic per element either way.
+    auto rows = [&](auto quad_tag) {
+      constexpr bool kQuad = decltype(quad_tag)::value;
+      constexpr int G = kQuad ? RG : 1;
+      BB_UNROLL
+      for (int k = 0; k < NX; ++k) {
+        const View& x = *src[k].x;
+        const unsigned short* xp = reinterpret_cast<const unsigned short*>(x.p);
+        const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
+        // Rank r's row offset: xrow + r sr, stepped by one add per rank.
+        int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+        for (int r0 = 0; r0 < R; r0 += G) {
+          float4 x1[G], x2[G];  // loads first
+          BB_UNROLL
+          for (int u = 0; u < G; ++u, o += sr) {
+            const int r = r0 + u;
+            x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r < R && i < L) {
+              const float4 lo = ld4_bf16<kQuad>(xp + o, sx);
+              const float4 hi = ld4_bf16<kQuad>(xp + o + hs, sx);
+              const float4 b1 = bias(k, r, n), b2 = bias(k, r, half + n);
+              x1[u] = make_float4(lo.x + b1.x, lo.y + b1.y, lo.z + b1.z, lo.w + b1.w);
+              x2[u] = make_float4(hi.x + b2.x, hi.y + b2.y, hi.z + b2.z, hi.w + b2.w);
             }
-            st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
-            st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
+          }
+          const mimo::SplitTile& out = src[k].out;
+          BB_UNROLL
+          for (int u = 0; u < G; ++u) {
+            const int r = r0 + u;
+            if (r < R) {
+              const int row = (i << lgR) + r;
+              float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
+              float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
+              float y1[4], y2[4];
+              BB_UNROLL
+              for (int j = 0; j < 4; ++j) {
+                y1[j] = v1[j], y2[j] = v2[j];
+                if (n + j < A)
+                  y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
+              }
+              st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
+              st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
+            }
           }
         }
       }
-    }
+    };
+    if (quad)
+      rows(std::true_type{});
+    else
+      rows(std::false_type{});
   }
 }
 
@@ -820,18 +865,24 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       const int64_t vb = v0 + int64_t{s0} * a.v.s[1] + pc_t * vs;
       const int64_t db = dr.base + int64_t{s0} * dr.st + r_t * dr.sr + pc_t * dr.sp;
       // The gated rows (the combined backward) two at a time: four at a time, the gate's
-      // registers made ptxas spill; the ungated loop keeps four rows in flight.
-      auto xg_rows = [&](auto rows_tag, auto gate_tag) {
-        constexpr int U = decltype(rows_tag)::value;
+      // registers made ptxas spill; the ungated loop keeps four rows in flight. The pair-load
+      // choice (vec_tag: 1 pair loads, 0 two loads each, -1 a.vec_v / a.vec_dout at run time)
+      // is compile-time in the ungated loops, so that the fast one issues only its pair loads
+      // (with a runtime choice both paths were predicated and issued); the fallback (layouts
+      // without pair loads, rare) one row at a time: less code, the same rows in the same order.
+      auto xg_rows = [&](auto rows_tag, auto gate_tag, auto vec_tag) {
+        constexpr int U = decltype(rows_tag)::value, V = decltype(vec_tag)::value;
         constexpr bool kGate = decltype(gate_tag)::value;
+        const bool vec_v = V < 0 ? a.vec_v != 0 : V == 1;
+        const bool vec_d = V < 0 ? a.vec_dout != 0 : V == 1;
         pair_rows_steps<U, NT>(
             T, lgP, lgR, a.v.s[1], dr.st,
             [&](int row, int64_t ov, int64_t od, int pc) {
               XGPair o{};  // zero past the sequence
               if (row < TL) {
-                const float2 vv = ld2_t<bf16_t>(a.v, vb + ov, vs, a.vec_v);
+                const float2 vv = ld2_t<bf16_t>(a.v, vb + ov, vs, vec_v);
                 o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
-                o.g = ld2_t<TD>(a.dout, db + od, dr.sp, a.vec_dout);
+                o.g = ld2_t<TD>(a.dout, db + od, dr.sp, vec_d);
                 if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
                 if constexpr (kGate) {
                   const float2 gz = z_gate2(a, b, s0 + (row >> lgR), h, pc,
@@ -848,30 +899,50 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
               st_split_pair(Gp, row * ldP + pc, o.g);
             });
       };
+      using Run = std::integral_constant<int, -1>;
+      using Pair = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 0>;
       if (a.gate)
-        xg_rows(std::integral_constant<int, 2>{}, std::true_type{});
+        xg_rows(std::integral_constant<int, 2>{}, std::true_type{}, Run{});
+      else if (a.vec_v && a.vec_dout)
+        xg_rows(std::integral_constant<int, 4>{}, std::false_type{}, Pair{});
       else
-        xg_rows(std::integral_constant<int, 4>{}, std::false_type{});
+        xg_rows(std::integral_constant<int, 1>{}, std::false_type{}, Two{});
     });
     // states[c] to planes; with them the row dots states . dS for DDA (dS, the workspace:
     // [N][P] fp32 at an even element offset), so that the states are read once per chunk.
     float dda_part = 0.f;
-    with_dtype(a.states.dt, [&](auto stag) {
-      using TS = typename decltype(stag)::type;
+    {
       const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
-      pair_rows_lin<4, NT>(
-          N, lgP, ss3,
-          [&](int n, int64_t off, int pc) {
-            const float2 st = ld2_t<TS>(a.states, sb + off + pc * ss4, ss4, a.vec_states);
-            const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
-            return make_float4(st.x, st.y, ds.x, ds.y);
-          },
-          [&](int n, int64_t, int pc, float4 sd) {
-            dda_part += sd.x * sd.z;
-            dda_part += sd.y * sd.w;
-            st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
-          });
-    });
+      // U rows in flight; ld_st(off): the states pair at elements off, off + ss4.
+      auto states_rows = [&](auto rows_tag, auto ld_st) {
+        pair_rows_lin<decltype(rows_tag)::value, NT>(
+            N, lgP, ss3,
+            [&](int n, int64_t off, int pc) {
+              const float2 st = ld_st(sb + off + pc * ss4);
+              const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
+              return make_float4(st.x, st.y, ds.x, ds.y);
+            },
+            [&](int n, int64_t, int pc, float4 sd) {
+              dda_part += sd.x * sd.z;
+              dda_part += sd.y * sd.w;
+              st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
+            });
+      };
+      // Pair loads by dtype (only they: a runtime pair choice issued both paths); layouts
+      // without pair loads (rare) in one runtime-dtype loop, a row at a time (the same values,
+      // rows and order as the pair loop).
+      if (a.vec_states)
+        with_dtype(a.states.dt, [&](auto stag) {
+          using TS = typename decltype(stag)::type;
+          states_rows(std::integral_constant<int, 4>{},
+                      [&](int64_t o) { return ld2_t<TS>(a.states, o, ss4, true); });
+        });
+      else
+        states_rows(std::integral_constant<int, 1>{}, [&](int64_t o) {
+          return make_float2(ld(a.states, o), ld(a.states, o + ss4));
+        });
+    }
     // Both block sums in one tree; its barriers also end the loads above. The DDA total is kept
     // in shared memory (red[2 NT], past the tree) until the per-step outputs: a register live
     // across phase 2 would cost spills there.
@@ -919,17 +990,23 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
     // The coefficient matrices are built by (row, column pair) tasks, one split pair store per
     // task; the two columns share their step j (one weight) unless R = 1. M1 reads XG
-    // transposed, so its tasks run along the rows (conflict-free loads).
-    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-      const int row = e & (T - 1), ca = (e >> lgT) * 2, i = row >> lgR;
-      const int j0 = ca >> lgR, j1 = (ca + 1) >> lgR;
-      const bool live0 = j0 < i && row < TL, live1 = j1 < i && row < TL;
-      const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
-      const float w1 = lgR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
-      st_split_pair(Mc, row * ldT + ca,
-                    make_float2(live0 ? w0 * XG[(ca << lgT) + row] : 0.f,
-                                live1 ? w1 * XG[((ca + 1) << lgT) + row] : 0.f));
-    }
+    // transposed, so its tasks run along the rows (conflict-free loads). The three builds with
+    // R compile-time (with_pow2): constant shifts, and at R > 1 the second column's step, weight
+    // and mask are the first's (ca even), not formed (and loaded) again.
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      BB_NO_UNROLL  // (as before the templating: unrolled, four copies would be ~1K instructions)
+      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+        const int row = e & (T - 1), ca = (e >> lgT) * 2, i = row >> LR;
+        const int j0 = ca >> LR, j1 = LR > 0 ? j0 : ca + 1;
+        const bool live0 = j0 < i && row < TL, live1 = LR > 0 ? live0 : j1 < i && row < TL;
+        const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
+        const float w1 = LR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
+        st_split_pair(Mc, row * ldT + ca,
+                      make_float2(live0 ? w0 * XG[(ca << lgT) + row] : 0.f,
+                                  live1 ? w1 * XG[((ca + 1) << lgT) + row] : 0.f));
+      }
+    });
     bb_sync();
     float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
     BB_UNROLL
@@ -952,17 +1029,20 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         [&](int, int64_t off, int pc) { return *reinterpret_cast<const float2*>(dS + off + pc); },
         [&](int n, int64_t, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
     // (Not unrolled: it runs with the dqh accumulators live; unrolled, it spilled.)
-    BB_NO_UNROLL
-    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-      const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> lgR;
-      const int j0 = cb >> lgR, j1 = (cb + 1) >> lgR;
-      const bool live0 = j0 > i && j0 < L, live1 = j1 > i && j1 < L;
-      const float w0 = live0 ? Wf(j0, i) : 0.f;
-      const float w1 = lgR > 0 ? w0 : live1 ? Wf(j1, i) : 0.f;
-      const float2 xg = *reinterpret_cast<const float2*>(XG + (row << lgT) + cb);
-      st_split_pair(Mc, row * ldT + cb,
-                    make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
-    }
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      BB_NO_UNROLL
+      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+        const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> LR;
+        const int j0 = cb >> LR, j1 = LR > 0 ? j0 : cb + 1;
+        const bool live0 = j0 > i && j0 < L, live1 = LR > 0 ? live0 : j1 > i && j1 < L;
+        const float w0 = live0 ? Wf(j0, i) : 0.f;
+        const float w1 = LR > 0 ? w0 : live1 ? Wf(j1, i) : 0.f;
+        const float2 xg = *reinterpret_cast<const float2*>(XG + (row << lgT) + cb);
+        st_split_pair(Mc, row * ldT + cb,
+                      make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
+      }
+    });
     bb_sync();  // mc and the dS planes
     const float dda = expf(da_last) * red[2 * NT];
     BB_UNROLL
@@ -982,24 +1062,29 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
 
     // ---- dx. M3[(i,r2)][(j,r)] = W[j][i] ts_i KQ[(i,r2)][(j,r)] (j > i),
     //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
-    for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-      const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> lgR,
-                r2 = row & (R - 1);
-      const float2 kq = *reinterpret_cast<const float2*>(KQ + (row << lgT) + cb);
-      float m[2];
-      BB_UNROLL
-      for (int u = 0; u < 2; ++u) {
-        const int rb = cb + u, j = rb >> lgR, r = rb & (R - 1);
-        m[u] = 0.f;
-        if (row < TL && j < L) {
-          if (j > i)
-            m[u] = (Wf(j, i) * s_ts[i]) * (u == 0 ? kq.x : kq.y);
-          else if (j == i)
-            m[u] = s_gam[i] * s_qk[(((i << lgR) + r) << lgR) + r2] + (r == r2 ? Dh : 0.f);
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      BB_NO_UNROLL  // (as M1)
+      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
+        const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> LR,
+                  r2 = row & (KR - 1);
+        const float2 kq = *reinterpret_cast<const float2*>(KQ + (row << lgT) + cb);
+        float m[2];
+        BB_UNROLL
+        for (int u = 0; u < 2; ++u) {
+          // (At R > 1 both columns have step cb >> LR: cb is even.)
+          const int j = LR > 0 ? cb >> LR : cb + u, r = (cb & (KR - 1)) + (LR > 0 ? u : 0);
+          m[u] = 0.f;
+          if (row < TL && j < L) {
+            if (j > i)
+              m[u] = (Wf(j, i) * s_ts[i]) * (u == 0 ? kq.x : kq.y);
+            else if (j == i)
+              m[u] = s_gam[i] * s_qk[((i * KR + r) << LR) + r2] + (r == r2 ? Dh : 0.f);
+          }
         }
+        st_split_pair(Mc, row * ldT + cb, make_float2(m[0], m[1]));
       }
-      st_split_pair(Mc, row * ldT + cb, make_float2(m[0], m[1]));
-    }
+    });
     // Per-step outputs (the row partials are complete since the last barrier): a warp per step,
     // eight lanes per sum (DDA_CS, DDA_CS_REV, DFACTOR, DGAMMA), so that every warp has the same
     // share of the work before the barrier below (one thread per step kept 15 warps waiting
@@ -1067,25 +1152,30 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
       // fills every warp already; at R = 1 the second lane would idle). lgU is CTA-uniform
       // (the shuffle's trip counts are warp-uniform: 2 C^2 lanes, C >= 8).
       const int lgU = ((C << lgC) < NT && R > 1) ? 1 : 0;
-      const int hr = (R + lgU) >> lgU;
-      for (int e = tid; e < (C << (lgC + lgU)); e += NT) {
-        const int u = e & lgU, s = e >> (lgC + lgU), tq = (e >> lgU) & (C - 1);
-        const int rb = u * hr, nr = bb_min(R - rb, hr);
-        const bool valid = s < L && tq < L;
-        float acc = 0.f;
-        if (valid) {
-          // The ranks r unrolled (immediate offsets); r2 not (its registers: this runs with
-          // the dqh / dkh accumulators live).
-          for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR) + rb; r2 < R; ++r2, b2 += T) {
-            BB_UNROLL
-            for (int r = 0; r < kMaxR; ++r)
-              if (r < nr) acc += KQ[b2 + r] * XG[b2 + r];
+      // A lane's rank count NR = R >> lgU compile-time (R a power of two: lane u's ranks
+      // u NR .. u NR + NR - 1): no predicated-off iterations of a kMaxR-long loop.
+      with_pow2(lgR - lgU, [&](auto nr_tag) {
+        constexpr int NR = decltype(nr_tag)::value;
+        BB_NO_UNROLL  // (as before the templating: code size)
+        for (int e = tid; e < (C << (lgC + lgU)); e += NT) {
+          const int u = e & lgU, s = e >> (lgC + lgU), tq = (e >> lgU) & (C - 1);
+          const int rb = u * NR;
+          const bool valid = s < L && tq < L;
+          float acc = 0.f;
+          if (valid) {
+            // The ranks r unrolled (immediate offsets); r2 not (its registers: this runs with
+            // the dqh / dkh accumulators live; and code size: four copies).
+            BB_NO_UNROLL
+            for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR) + rb; r2 < R; ++r2, b2 += T) {
+              BB_UNROLL
+              for (int r = 0; r < NR; ++r) acc += KQ[b2 + r] * XG[b2 + r];
+            }
           }
+          if (lgU) acc += mimo::mb_shfl_xor(acc, 1);
+          if (u == 0)
+            dssda[dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4]] = valid ? acc * s_ts[s] : 0.f;
         }
-        if (lgU) acc += mimo::mb_shfl_xor(acc, 1);
-        if (u == 0)
-          dssda[dss0 + s * a.dssda.s[3] + tq * a.dssda.s[4]] = valid ? acc * s_ts[s] : 0.f;
-      }
+      });
     }
     bb_sync();
     for (int tile = warp; tile < (T * P) >> 8; tile += kPlanesWarps) {
@@ -1217,8 +1307,7 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         auto ldg = [&](const unsigned short* p, float (&x)[NC]) {
           if constexpr (NC == 2) {  // (only where vec_qk holds)
             const unsigned int u = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p));
-            x[0] = f_of_bits(static_cast<unsigned short>(u & 0xffffu), DTag<bf16_t>{});
-            x[1] = f_of_bits(static_cast<unsigned short>(u >> 16), DTag<bf16_t>{});
+            x[0] = mimo::mb_u2f(u << 16), x[1] = mimo::mb_u2f(u & 0xffff0000u);
           } else {
             x[0] = f_of_bits(mimo::mb_ldg(p), DTag<bf16_t>{});
           }
@@ -1311,20 +1400,30 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
     const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
     {
       // This thread's column p is fixed (NT is a multiple of P): its mimo_v[h][r][p] once.
+      // R compile-time (with_pow2) for the weight loads and each row's sum: R loads and R terms,
+      // not kMaxR predicated ones; the loop and its runtime-dtype store stay one copy.
       const int p = tid & (P - 1);
       const int64_t mv0 = int64_t{h} * a.mimo_v.s[0] + p * a.mimo_v.s[2];
-      float mvr[kMaxR];
-      BB_UNROLL
-      for (int r = 0; r < kMaxR; ++r)
-        mvr[r] = r < R ? ld(a.mimo_v, mv0 + r * a.mimo_v.s[1]) : 0.f;
+      float mvr[kMaxR] = {};
+      with_pow2(lgR, [&](auto kr) {
+        constexpr int KR = decltype(kr)::value;
+        uint32_t u[KR];  // raw loads first, then their values (rt_ld's values)
+        BB_UNROLL
+        for (int r = 0; r < KR; ++r)
+          u[r] = rt_ld_raw(a.mimo_v.p, mv0 + r * a.mimo_v.s[1], a.mimo_v.dt);
+        BB_UNROLL
+        for (int r = 0; r < KR; ++r) mvr[r] = rt_raw_f(u[r], a.mimo_v.dt);
+      });
       // (A runtime-dtype store: a few elements per thread, as segsum above.)
       const int64_t dv0 = int64_t{b} * a.dv.s[0] + int64_t{h} * a.dv.s[2] + p * a.dv.s[3];
       const int64_t ds1 = a.dv.s[1];
       for (int i = tid >> lgP; i < L; i += NT >> lgP) {
         float acc = 0.f;
-        BB_UNROLL
-        for (int r = 0; r < kMaxR; ++r)
-          if (r < R) acc += dx[(((i << lgR) + r) << lgP) + p] * mvr[r];
+        with_pow2(lgR, [&](auto kr) {
+          constexpr int KR = decltype(kr)::value;
+          BB_UNROLL
+          for (int r = 0; r < KR; ++r) acc += dx[((i * KR + r) << lgP) + p] * mvr[r];
+        });
         st(a.dv, dv0 + (s0 + i) * ds1, acc);
       }
     }
