@@ -380,8 +380,7 @@ TEST(MimoBwdFwdEmulated, TwoStateTilesPerWarp) {
 // Reduce-O with the gate and no norm (the benchmark and training case, which the lean K3
 // epilogue runs through its own compile-time copy) at every rank count the lean path takes
 // (R = 1, 2, 4, 8: the copy's per-rank registers), both thread counts, a partial last chunk
-// (37 = 4 x 8 + 5, 2 x 16 + 5), bf16 dz (the typed store) and once fp32 dz (the runtime-typed
-// one).
+// (37 = 4 x 8 + 5, 2 x 16 + 5), bf16 dz, and once fp32 dz (which takes the generic code).
 TEST(MimoBwdFwdEmulated, GateNoNormRanks) {
   struct Rc {
     int64_t R, C;
