@@ -728,10 +728,87 @@ MB_DEV void lean_epilogue_r(const MbArgs& a, const MbLayout& L, float* sm, const
   }
 }
 
+// lean_epilogue_r for the benchmark and training case (reduce-O, the gate, no norm, bf16 dz)
+// with those known at compile time. Why: the generic loop tests the three flags per element,
+// reloads mimo_z / mimo_o of column p from shared memory per element and stores dz through a
+// per-step dtype switch (~56 of its ~163 warp instructions per step at R = 4). Here the thread's
+// mimo_z / mimo_o sit in registers across the step loop, dz is stored as bf16 and the offsets
+// advance by steps. The float expressions, the exchange and the summation orders are the generic
+// ones: the outputs are bitwise the same.
+template <int NT, int R, bool FAST>
+MB_DEV void lean_epilogue_gate_r(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
+                                 int s0, int Lc) {
+  const int P = a.P, lgP = a.lgP, LP = a.LP, tstep = NT >> lgP;
+  const int p = mb_tid() & (P - 1), t0 = mb_tid() >> lgP;
+  float so[R], sz[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) so[r] = sz[r] = 0.f;
+  float mzr[R], mor[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) mzr[r] = sm[L.mz + r * P + p], mor[r] = sm[L.mo + r * P + p];
+  // Running offsets (integer only): the dz element, the staged rows' element, Y's row (t, 0).
+  const MbView& oz = a.dz;
+  const int64_t zs1 = oz.s[1], zstep = tstep * zs1;
+  int64_t zo = k.b * oz.s[0] + (s0 + t0) * zs1 + k.h * oz.s[2] + p * oz.s[3];
+  const int sstep = tstep * P, ystep = tstep * R * LP;
+  int e = t0 * P + p;
+  const float* Yt = sm + L.Y + t0 * R * LP + p;
+  for (int t = t0; t < Lc; t += tstep, zo += zstep, e += sstep, Yt += ystep) {
+    const float zz = st_bf(sm + L.zs, e);
+    const float d = st_bf(sm + L.ds, e);
+    float dzs = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float y = Yt[r * LP];
+      const float mzv = mzr[r];
+      const float dr = d * mor[r];
+      const LeanGate gt = lean_gate<FAST>(zz, mzv);
+      so[r] = fmaf(d * gt.gate, y, so[r]);
+      const float gz = dr * y * gt.dsilu;
+      sz[r] = fmaf(gz, zz, sz[r]);
+      dzs = fmaf(gz, mzv, dzs);
+    }
+    st_t<1>(oz.p, zo, dzs);
+  }
+  // The generic exchange and sums of the two kinds that are on (mimo_o, gate), in its order.
+  float* ex = sm + L.ered;
+  const int RP = R * P;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
+    ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
+  }
+  mb_sync();
+  for (int q = mb_tid(); q < RP; q += NT) {
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+      const float* ek = ex + kind * tstep * RP + q;
+      float v = 0.f;
+      for (int j = 0; j < tstep; ++j) v += ek[j * RP];
+      float* acc = sm + L.acc + kind * 2 * RP + q;
+      kahan_add(acc, acc + RP, v);
+    }
+  }
+}
+
 template <int NT, bool FAST>
 MB_DEV void lean_epilogue(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
                           int Lc) {
   if (!a.reduce_o && !a.has_z) return;  // nothing to do without mimo_o and the gate
+  // The common case through its compile-time copy, every other one through the generic code.
+  // Not with 8 state tiles per warp (FAST false): <512, 8> sits at its 128-register limit and
+  // spilled with the copy.
+  if constexpr (FAST) {
+    if (a.reduce_o && a.has_z && !a.has_norm && a.dz.dt == 1) {
+      switch (a.R) {
+        case 1: lean_epilogue_gate_r<NT, 1, FAST>(a, L, sm, k, s0, Lc); break;
+        case 2: lean_epilogue_gate_r<NT, 2, FAST>(a, L, sm, k, s0, Lc); break;
+        case 4: lean_epilogue_gate_r<NT, 4, FAST>(a, L, sm, k, s0, Lc); break;
+        default: lean_epilogue_gate_r<NT, 8, FAST>(a, L, sm, k, s0, Lc); break;
+      }
+      return;
+    }
+  }
   switch (a.R) {
     case 1: lean_epilogue_r<NT, 1, FAST>(a, L, sm, k, s0, Lc); break;
     case 2: lean_epilogue_r<NT, 2, FAST>(a, L, sm, k, s0, Lc); break;

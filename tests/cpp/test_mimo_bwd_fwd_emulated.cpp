@@ -377,6 +377,23 @@ TEST(MimoBwdFwdEmulated, TwoStateTilesPerWarp) {
   }
 }
 
+// Reduce-O with the gate and no norm (the benchmark and training case, which the lean K3
+// epilogue runs through its own compile-time copy) at every rank count the lean path takes
+// (R = 1, 2, 4, 8: the copy's per-rank registers), both thread counts, a partial last chunk
+// (37 = 4 x 8 + 5, 2 x 16 + 5), bf16 dz, and once fp32 dz (which takes the generic code).
+TEST(MimoBwdFwdEmulated, GateNoNormRanks) {
+  struct Rc {
+    int64_t R, C;
+    int nt;
+    IoType out;
+  };
+  for (const Rc& rc : {Rc{1, 16, 256, kBF}, Rc{2, 8, 512, kBF}, Rc{4, 8, 256, kBF},
+                       Rc{4, 16, 512, kF}, Rc{8, 8, 512, kBF}, Rc{8, 8, 256, kBF}}) {
+    Shape s{1, 37, 2, 1, 16, 16, rc.R, rc.C, 4, true, true, true, false, 0, kF, rc.out, rc.nt};
+    check_case(s, 61 + rc.R * 8 + rc.nt);
+  }
+}
+
 }  // namespace
 
 #endif  // MAMBA3_GOLDEN_CUDA
