@@ -212,7 +212,8 @@ using bf16_t = __nv_bfloat16;
 struct DoutRows {
   int64_t base, st, sr, sp;
 };
-BB_DEV DoutRows dout_rows(const Args& a, int b, int h) {
+template <class AT>
+BB_DEV DoutRows dout_rows(const AT& a, int b, int h) {
   const View& d = a.dout;
   if (a.layout == 0) return {b * d.s[0] + h * d.s[2], d.s[1], 0, d.s[3]};
   if (a.layout == 1) return {b * d.s[0] + h * d.s[3], d.s[1], d.s[2], d.s[4]};
@@ -389,7 +390,8 @@ BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
 }
 
 // z_gate of columns (pc, pc + 1) of step t, given their mimo_z pair mz (the row's rank).
-BB_DEV float2 z_gate2(const Args& a, int b, int t, int h, int pc, float2 mz) {
+template <class AT>
+BB_DEV float2 z_gate2(const AT& a, int b, int t, int h, int pc, float2 mz) {
   const int64_t o = int64_t{b} * a.z.s[0] + int64_t{t} * a.z.s[1] + int64_t{h} * a.z.s[2] +
                     int64_t{pc} * a.z.s[3];
   const float2 z = a.bf16_z_pairs ? ld2_t<bf16_t>(a.z, o, 1, true)
@@ -424,7 +426,8 @@ using mimo::mb_prefetch_row;
 // angle rows, per-step scalars), one request per 128-byte line of each row. Called by a CTA for
 // its next chunk during the current one's phase 3 (why: one CTA per SM, so nothing else overlaps
 // its load phases with DRAM latency; served from L2 they should be ~2x shorter: not measured).
-BB_DEV void prefetch_item(const Args& a, int64_t item) {
+template <class AT>
+BB_DEV void prefetch_item(const AT& a, int64_t item) {
   // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
   const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
   const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
@@ -490,8 +493,8 @@ struct RotSrc {
 // Each thread keeps its column pair (NT is a multiple of half / 2), steps strided. Loads of RG
 // ranks are issued before their stores (more loads in flight per thread). Same arithmetic per
 // element as the scalar (n, half + n) tasks they replace.
-template <int NT, int RG, int NX, class Bias>
-BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
+template <int NT, int RG, int NX, class Bias, class AT>
+BB_DEV void rotated_pair_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
                               int grp, int s0, int L, const float* scale) {
   const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 2, lgR = a.lgR;
   const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 2;
@@ -578,8 +581,8 @@ BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st) {
 // at columns n .. n + 3 of rank r), 8-byte split stores, one rolled sincosf (inlined four times
 // it is code the instruction cache must hold). Same arithmetic per element as
 // rotated_pair_rows. Needs half % 4 == 0 (N >= 16 on the planes path: make_plan).
-template <int NT, int RG, int NX, class Bias>
-BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
+template <int NT, int RG, int NX, class Bias, class AT>
+BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
                               int grp, int s0, int L, float2* tab) {
   const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 3, lgR = a.lgR;
   const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 4;
@@ -667,7 +670,8 @@ BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
 // one CTA of kIncPlanesThreads per (b, h, c), c >= 1; E qh and dPhiO split into planes once, U in
 // 16 x 16 mma tiles (E qh read transposed: the contraction runs along its rows).
 // smem: PlanesLayout::inc_bytes.
-BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
+template <class AT>
+BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
   constexpr int NT = kIncPlanesThreads;
   const int64_t item = bb_bid();  // = bh * nch + c
   const int it = static_cast<int>(item), c = it % a.nch;  // 32-bit: B H nch < 2^31
@@ -744,7 +748,8 @@ struct XGPair {
 };
 
 // smem: PlanesLayout::bytes of dynamic shared memory (16-byte aligned); kPlanesThreads threads.
-BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
+template <class AT>
+BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   using mimo::SplitTile;
   using mimo::warp_mma_16x16;
   constexpr int NT = kPlanesThreads;

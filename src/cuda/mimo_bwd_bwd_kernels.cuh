@@ -959,6 +959,14 @@ inline bool prefetch_allowed_by_env() {
   return allowed;
 }
 
+// MAMBA3_BB_SPECIALIZED=0: the planes K3 never takes its shape-specialised copies
+// (mimo_bwd_bwd.cu; A/B runs and the bitwise-identity test). Read at every call (the choice
+// changes neither the workspace nor the outputs), so a test can compare both in one process.
+inline bool specialized_allowed_by_env() {
+  const char* e = std::getenv("MAMBA3_BB_SPECIALIZED");
+  return e == nullptr || e[0] != '0';
+}
+
 // max_slots: K3's CTA count cap (the host emulation test lowers it to reach slot reuse cheaply).
 // allow_planes: false keeps K3 on chunk_body (the tests run both paths).
 inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,

@@ -9,12 +9,14 @@
 // slots (the chunk kernel's grid-stride loop), long chunk scans, 512-row chunks (R 8, C 64), the
 // largest N and P, odd sizes; the upstream reference shapes at a short sequence; arbitrary
 // strides and byte offsets (bitwise equal to the compact run); CUDA-graph capture; the workspace
-// contract. The kernel bodies also run on the host in test_mimo_bwd_bwd_emulated.cpp.
+// contract; the shape-specialised planes K3 against the generic one (bitwise). The kernel bodies
+// also run on the host in test_mimo_bwd_bwd_emulated.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -282,6 +284,43 @@ TEST(MimoBwdBwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
     for (size_t k = 0; k < a.size(); ++k)
       EXPECT_TRUE(a[k] == b[k]) << kOutNames[k] << " differs between compact and strided layouts";
     expect_finite(op, a);
+  }
+#endif
+}
+
+// The planes K3 specialised to the reference shapes (compile-time N, P, R, C) gives the bits of
+// the generic planes K3 (MAMBA3_BB_SPECIALIZED=0) at each of those shapes, whole and partial
+// chunks, the three dout layouts in turn.
+TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
+  SKIP_WITHOUT_CUDA();
+#ifdef MAMBA3_GOLDEN_CUDA
+  const int64_t shapes[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
+                               {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
+                               {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
+                               {128, 64, 2, 32}, {128, 64, 1, 64}};
+  const MimoDoutKind layouts[] = {MimoDoutKind::ReduceO, MimoDoutKind::PerRank,
+                                  MimoDoutKind::Packed};
+  int k = 0;
+  for (const auto& s : shapes) {
+    Operands op(2, 150, 2, 1, s[0], s[1], s[2], s[3], layouts[k % 3], k % 2 == 0, IoType::BF16,
+                IoType::BF16, 71 + k);
+    ++k;
+    OnDevice dev(op, false);
+    dev.poison();
+    ASSERT_EQ(dev.call(nullptr, dev.ws_bytes), MAMBA3_OK) << mamba3_last_error();
+    ck(cudaDeviceSynchronize(), "sync");
+    const auto spec = dev.results();
+    dev.poison();
+    setenv("MAMBA3_BB_SPECIALIZED", "0", 1);
+    const mamba3_status st = dev.call(nullptr, dev.ws_bytes);
+    unsetenv("MAMBA3_BB_SPECIALIZED");
+    ASSERT_EQ(st, MAMBA3_OK) << mamba3_last_error();
+    ck(cudaDeviceSynchronize(), "sync");
+    const auto gen = dev.results();
+    for (size_t j = 0; j < spec.size(); ++j)
+      EXPECT_TRUE(spec[j] == gen[j]) << kOutNames[j] << " differs at N" << s[0] << " P" << s[1]
+                                     << " R" << s[2] << " C" << s[3];
+    expect_finite(op, spec);
   }
 #endif
 }
