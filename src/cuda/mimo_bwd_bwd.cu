@@ -95,9 +95,10 @@ PlanesK3 planes_k3_ct() {
 
 PlanesK3 planes_k3(const Args& a) {
   if (bb::specialized_allowed_by_env()) {
-    // SPEC.md section 4's grid (N, P, R, C).
-#define MAMBA3_BB_CT(n, p, r, c) \
-  if (a.N == n && a.P == p && a.R == r && a.C == c) return planes_k3_ct<n, p, r, c>();
+    // SPEC.md section 4's grid (N, P, R, C), rotary_dim_divisor 4 (A = N / 4).
+#define MAMBA3_BB_CT(n, p, r, c)                                      \
+  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
+    return planes_k3_ct<n, p, r, c>();
     MAMBA3_BB_CT(16, 64, 4, 8)
     MAMBA3_BB_CT(32, 64, 4, 16)
     MAMBA3_BB_CT(64, 64, 4, 16)

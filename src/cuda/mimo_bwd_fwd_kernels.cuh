@@ -1360,7 +1360,7 @@ inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bo
 
 // State tiles per warp the lean kernels need with nt threads (0: more than 8, the lean path
 // does not apply).
-inline int lean_state_tiles(int N, int P, int nt) {
+constexpr int lean_state_tiles(int N, int P, int nt) {
   const int tiles = (N / 16) * (P / 16), warps = nt / 32;
   const int per = (tiles + warps - 1) / warps;
   for (int st : {1, 2, 4, 8})
@@ -1396,7 +1396,7 @@ inline size_t mb_align256(size_t x) { return (x + 255) & ~static_cast<size_t>(25
 // Threads per CTA the lean kernels try first. Measured on the H200 over the 11 benchmark shapes
 // (B=4 S=2048 H=16, bf16; docs/PERF.md): 256 wins only at N=16 (1.08 vs 1.84 ms at P=64 R=4 C=8,
 // where per-chunk latency dominates); every larger N is 17-45% slower with 256.
-inline int lean_nt_rule(int N) { return N <= 16 ? 256 : 512; }
+constexpr int lean_nt_rule(int N) { return N <= 16 ? 256 : 512; }
 
 // The value of MAMBA3_MIMO_LEAN_NT (A/B measurements): 256 or 512, 0 when unset or empty, -1
 // when invalid.

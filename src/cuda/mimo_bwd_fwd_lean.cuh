@@ -40,7 +40,8 @@ struct LeanTiles {
   SplitTile Qh, Kh, X, Xw, St, Sc;
 };
 
-MB_DEV LeanTiles lean_tiles(const MbArgs& a, const MbLayout& L, float* sm) {
+template <class AT>
+MB_DEV LeanTiles lean_tiles(const AT& a, const MbLayout& L, float* sm) {
   LeanTiles t;
   t.ldN = a.N + 8, t.ldP = a.P + 8, t.ldT = a.Tb + 8;
   auto tile = [&](int off, int rows, int ld) {
@@ -164,8 +165,8 @@ MB_DEV void st_split4(__nv_bfloat16* base, int plane, int e, float x0, float x1,
 
 // cos / sin of chunk c's angles into the table ang[2][C][A] (rows past the sequence: 1 / 0).
 // Once per chunk and step, not once per rank and tile row.
-template <int NT>
-MB_DEV void lean_chunk_angles(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
+template <int NT, class AT>
+MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   if (L.ang < 0) return;  // no room for the table: lean_build_qk computes them itself
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), A = a.A, CA = a.C * A;
   const bool pow2 = (A & (A - 1)) == 0;
@@ -192,8 +193,8 @@ MB_DEV void lean_chunk_angles(const MbArgs& a, const MbLayout& L, float* sm, con
 // product could start; the second pass's K3 gained 4-7% from the same hint). One row per task;
 // a row's lines by its 128-byte spans (by elements where the columns are strided). Rows past
 // the sequence are not touched.
-template <int NT, bool Q, bool X>
-MB_DEV void lean_prefetch_chunk(const MbArgs& a, const MbCta& k, int c) {
+template <int NT, bool Q, bool X, class AT>
+MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), R = a.R, lgR = a.lgR, LR = Lc * R;
   const bool hz = X && a.has_z, ro = a.reduce_o;
   const int g_k = LR, g_q = g_k + (Q ? LR : 0), g_v = g_q + Lc, g_z = g_v + (hz ? Lc : 0),
@@ -233,8 +234,8 @@ MB_DEV void lean_prefetch_chunk(const MbArgs& a, const MbCta& k, int c) {
 // Qh (if Q) and Kh of chunk c: biased, rotated, split. One task = four adjacent columns
 // n .. n + 3 of one row i = t R + r and their rotation partners n + N/2 ..; A is a multiple of
 // 4, so a task's columns rotate together. Loads of four elements as LM (a.lean_ld).
-template <int NT, bool K, bool Q, int LM>
-MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+template <int NT, bool K, bool Q, int LM, class AT>
+MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                             const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
   const int N = a.N, half = a.half, A = a.A, lgR = a.lgR, Rm = a.R - 1, T = a.Tb, ldN = tt.ldN;
@@ -331,8 +332,8 @@ MB_DEV void lean_build_qk_t(const MbArgs& a, const MbLayout& L, float* sm, const
 }
 
 // SPLIT: Kh and Qh in two passes (fewer live registers: the 8-tile states).
-template <int NT, bool Q, bool SPLIT = false>
-MB_DEV void lean_build_qk(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+template <int NT, bool Q, bool SPLIT = false, class AT>
+MB_DEV void lean_build_qk(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                           const MbCta& k, int c) {
   with_ld(a.lean_ld, [&](auto M) {
     constexpr int LM = decltype(M)::value;
@@ -349,8 +350,8 @@ MB_DEV void lean_build_qk(const MbArgs& a, const MbLayout& L, float* sm, const L
 // stages the epilogue's z and dout rows (raw bf16, exact; two per float of shared memory) so
 // that their loads overlap the tile loads instead of stalling the epilogue. One task = four
 // adjacent columns p .. p + 3 of one step t (every rank).
-template <int NT, bool X, int LM>
-MB_DEV void lean_build_x_t(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+template <int NT, bool X, int LM, class AT>
+MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                            const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), C = a.C, R = a.R, P = a.P, Ppt = a.Ppt;
   const int ldP = tt.ldP, lg = a.lgP - 2;  // P / 4 tasks per step (P a power of two >= 16)
@@ -406,8 +407,8 @@ MB_DEV void lean_build_x_t(const MbArgs& a, const MbLayout& L, float* sm, const 
   }
 }
 
-template <int NT, bool X>
-MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+template <int NT, bool X, class AT>
+MB_DEV void lean_build_x(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                          const MbCta& k, int c) {
   with_ld(a.lean_ld, [&](auto M) {
     lean_build_x_t<NT, X, decltype(M)::value>(a, L, sm, tt, k, c);
@@ -419,8 +420,8 @@ MB_DEV void lean_build_x(const MbArgs& a, const MbLayout& L, float* sm, const Le
 // threads from the last down (element e on thread NT - 1 - e): the X build that follows runs on
 // the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 (the reference shape: 256
 // of 512 each) the two loops and their global loads run on different warps before the barrier.
-template <int NT, bool REV = false>
-MB_DEV void lean_chunk_weights(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
+template <int NT, bool REV = false, class AT>
+MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C);
   const bool partial = a.S - s0 < C;
   const MbView& v = a.segsum;
@@ -505,8 +506,8 @@ MB_DEV void lean_mma(float (&acc)[2][4], const SplitTile& A, int m0, const Split
 }
 
 // Sc = mask(Qh Kh^T) (split, into tt.Sc) and the qk_dot output of chunk c.
-template <int NT>
-MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt,
+template <int NT, class AT>
+MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                         const MbCta& k, int c, float Dv) {
   const int T = a.Tb, C = a.C, lgR = a.lgR, Rm = a.R - 1, nt = T >> 4, lgnt = mb_lg2(nt);
   const int N = a.N, ldT = tt.ldT;
@@ -554,8 +555,8 @@ MB_DEV void lean_scores(const MbArgs& a, const MbLayout& L, float* sm, const Lea
 }
 
 // Y = diag(exp(da_cs)) Qh St + Sc X into the fp32 Y tile (row stride a.LP).
-template <int NT>
-MB_DEV void lean_y(const MbArgs& a, const MbLayout& L, float* sm, const LeanTiles& tt) {
+template <int NT, class AT>
+MB_DEV void lean_y(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt) {
   const int T = a.Tb, lgR = a.lgR, N = a.N, LP = a.LP, lgn = a.lgP - 4, ntp = a.P >> 4;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
   const float* expda = sm + L.expda;
@@ -611,8 +612,8 @@ MB_DEV LeanGate lean_gate(float z, float mz) {
 
 // RMSNorm row statistics from the Y tile and the staged z / dout (as epi_norm_stats). The
 // threads per row (tpr) follow NT, and so does the order of the row sums.
-template <int NT, bool FAST>
-MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int Lc) {
+template <int NT, bool FAST, class AT>
+MB_DEV void lean_norm_stats(const AT& a, const MbLayout& L, float* sm, int Lc) {
   const int R = a.R, T = a.Tb, P = a.P, LP = a.LP;
   int tpr = 1;  // threads per row
   while (tpr * 2 * T <= NT && tpr < 64) tpr *= 2;
@@ -652,8 +653,8 @@ MB_DEV void lean_norm_stats(const MbArgs& a, const MbLayout& L, float* sm, int L
 // steps' contributions per rank in registers, and the threads of one column then add theirs
 // to the Kahan partials in a fixed order (deterministic; the grouping follows NT). Needs
 // NT % P == 0. R is a template parameter (unrolled rank loop, registers per rank).
-template <int NT, int R, bool FAST>
-MB_DEV void lean_epilogue_r(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
+template <int NT, int R, bool FAST, class AT>
+MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
                             int Lc) {
   const bool ro = a.reduce_o, hz = a.has_z, hn = a.has_norm;
   const int P = a.P, lgP = a.lgP, LP = a.LP, tstep = NT >> lgP;
@@ -735,8 +736,8 @@ MB_DEV void lean_epilogue_r(const MbArgs& a, const MbLayout& L, float* sm, const
 // mimo_z / mimo_o sit in registers across the step loop, dz is stored as bf16 and the offsets
 // advance by steps. The float expressions, the exchange and the summation orders are the generic
 // ones: the outputs are bitwise the same.
-template <int NT, int R, bool FAST>
-MB_DEV void lean_epilogue_gate_r(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k,
+template <int NT, int R, bool FAST, class AT>
+MB_DEV void lean_epilogue_gate_r(const AT& a, const MbLayout& L, float* sm, const MbCta& k,
                                  int s0, int Lc) {
   const int P = a.P, lgP = a.lgP, LP = a.LP, tstep = NT >> lgP;
   const int p = mb_tid() & (P - 1), t0 = mb_tid() >> lgP;
@@ -791,8 +792,8 @@ MB_DEV void lean_epilogue_gate_r(const MbArgs& a, const MbLayout& L, float* sm, 
   }
 }
 
-template <int NT, bool FAST>
-MB_DEV void lean_epilogue(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
+template <int NT, bool FAST, class AT>
+MB_DEV void lean_epilogue(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int s0,
                           int Lc) {
   if (!a.reduce_o && !a.has_z) return;  // nothing to do without mimo_o and the gate
   // The common case through its compile-time copy, every other one through the generic code.
@@ -829,8 +830,8 @@ struct LeanState {
 // (P <= NT / 2) all of a warp's tiles lie in one column block and read the Xw fragments of a
 // k-step once, not once per tile. With 8 tiles (64 accumulators) the shared fragments spill at
 // 512 threads (128 registers): one lean_mma per tile there.
-template <int NT, int ST>
-MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST>& s, float e) {
+template <int NT, int ST, class AT>
+MB_DEV void lean_state_update(const AT& a, const LeanTiles& tt, LeanState<ST>& s, float e) {
   constexpr int NW = NT / 32;
   const int lgn = a.lgP - 4, ntiles = (a.N >> 4) << lgn, ntp = a.P >> 4, nk = a.Tb >> 4;
   const int w = mb_tid() >> 5, lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
@@ -914,8 +915,8 @@ MB_DEV void lean_state_update(const MbArgs& a, const LeanTiles& tt, LeanState<ST
 }
 
 // Applies f(n, p, v0, v1) to every owned state element pair (columns p, p + 1).
-template <int NT, int ST, class F>
-MB_DEV void lean_state_foreach(const MbArgs& a, const LeanState<ST>& s, F f) {
+template <int NT, int ST, class F, class AT>
+MB_DEV void lean_state_foreach(const AT& a, const LeanState<ST>& s, F f) {
   const int lgn = a.lgP - 4, ntiles = (a.N >> 4) << lgn, ntp = a.P >> 4;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
@@ -934,8 +935,8 @@ MB_DEV void lean_state_foreach(const MbArgs& a, const LeanState<ST>& s, F f) {
 
 // The bf16 planes of the register state (for lean_y) and states[b, h, c] = St in one pass over
 // the owned pairs (paired stores when the layout allows; dtype and layout dispatched once).
-template <int NT, int ST>
-MB_DEV void lean_state_out(const MbArgs& a, const LeanTiles& tt, const MbCta& k, int c,
+template <int NT, int ST, class AT>
+MB_DEV void lean_state_out(const AT& a, const LeanTiles& tt, const MbCta& k, int c,
                            const LeanState<ST>& s) {
   const MbView& o = a.states;
   const int64_t sn = o.s[3], sp = o.s[4];
@@ -960,8 +961,8 @@ MB_DEV void lean_state_out(const MbArgs& a, const LeanTiles& tt, const MbCta& k,
 // ------------------------------------------------------------------ kernel bodies
 
 // K1 (lean): local recurrence of one sub-segment from a zero state.
-template <int NT, int ST>
-MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
+template <int NT, int ST, class AT>
+MB_DEV void k1_lean_body(const AT& a, float* sm) {
   const MbLayout& L = a.l1;
   const int64_t bid = mb_bid();
   const int sub = static_cast<int>(bid % a.nsub);
@@ -1008,8 +1009,8 @@ MB_DEV void k1_lean_body(const MbArgs& a, float* sm) {
 }
 
 // K3 (lean): one segment of one (b, h): the full chunk pass.
-template <int NT, int ST>
-MB_DEV void k3_lean_body(const MbArgs& a, float* sm) {
+template <int NT, int ST, class AT>
+MB_DEV void k3_lean_body(const AT& a, float* sm) {
   const MbLayout& L = a.l3;
   const int64_t bid = mb_bid();
   const int seg = static_cast<int>(bid % a.nseg);

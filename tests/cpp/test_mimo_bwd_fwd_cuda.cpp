@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <memory>
@@ -313,6 +314,47 @@ TEST(MimoBwdFwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
         chk.bytes = a[k];
         for (double x : chk.to_double()) ASSERT_TRUE(std::isfinite(x)) << names[k];
       }
+    }
+  }
+#endif
+}
+
+// The lean kernels specialised to the reference shapes (compile-time N, P, R, C) give the bits
+// of the generic lean kernels (MAMBA3_MIMO_SPECIALIZED=0) at each of those shapes: reduce-O with
+// the gate (bf16 dz: the specialised epilogue), with the gate and the norm, per-rank dout without
+// the gate; whole and partial chunks.
+TEST(MimoBwdFwdCuda, SpecializedKernelsGiveIdenticalBits) {
+  SKIP_WITHOUT_CUDA();
+#ifdef MAMBA3_GOLDEN_CUDA
+  const int64_t shapes[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
+                               {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
+                               {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
+                               {128, 64, 2, 32}, {128, 64, 1, 64}};
+  struct V {
+    bool reduce, z, norm;
+  };
+  const V variants[] = {{true, true, false}, {true, true, true}, {false, false, false}};
+  int k = 0;
+  for (const auto& s : shapes) {
+    for (const V& v : variants) {
+      MimoOperands op(2, 150, 2, 1, s[0], s[1], s[2], s[3], v.reduce, v.z, v.norm, IoType::BF16,
+                      IoType::BF16, 91 + k++);
+      MimoDevice dev(op, false);
+      dev.poison();
+      ASSERT_EQ(dev.call(nullptr, dev.ws_bytes), MAMBA3_OK) << mamba3_last_error();
+      ck(cudaDeviceSynchronize(), "sync");
+      const auto spec = dev.results();
+      dev.poison();
+      setenv("MAMBA3_MIMO_SPECIALIZED", "0", 1);
+      const mamba3_status st = dev.call(nullptr, dev.ws_bytes);
+      unsetenv("MAMBA3_MIMO_SPECIALIZED");
+      ASSERT_EQ(st, MAMBA3_OK) << mamba3_last_error();
+      ck(cudaDeviceSynchronize(), "sync");
+      const auto gen = dev.results();
+      for (size_t j = 0; j < spec.size(); ++j)
+        EXPECT_TRUE(spec[j] == gen[j]) << "output " << j << " differs at N" << s[0] << " P"
+                                       << s[1] << " R" << s[2] << " C" << s[3] << " reduce "
+                                       << v.reduce << " z " << v.z << " norm " << v.norm;
     }
   }
 #endif

@@ -1,0 +1,15 @@
+// Shape-specialised lean kernels of the first pass, second half of SPEC.md's grid (see
+// mimo_bwd_fwd_lean_specialized.cuh).
+#include "cuda/mimo_bwd_fwd_lean_specialized.cuh"
+
+namespace mamba3::cuda::mimo {
+
+bool lean_specialized_b(const MbArgs& a, int nt, int st, LeanPair* out) {
+  return lean_specialized_shape<128, 32, 4, 16>(a, nt, st, out) ||
+         lean_specialized_shape<128, 128, 4, 8>(a, nt, st, out) ||
+         lean_specialized_shape<128, 64, 8, 8>(a, nt, st, out) ||
+         lean_specialized_shape<128, 64, 2, 32>(a, nt, st, out) ||
+         lean_specialized_shape<128, 64, 1, 64>(a, nt, st, out);
+}
+
+}  // namespace mamba3::cuda::mimo
