@@ -8,8 +8,10 @@ bool lean_specialized_b(const MbArgs& a, int nt, int st, LeanPair* out) {
   return lean_specialized_shape<128, 32, 4, 16>(a, nt, st, out) ||
          lean_specialized_shape<128, 128, 4, 8>(a, nt, st, out) ||
          lean_specialized_shape<128, 64, 8, 8>(a, nt, st, out) ||
-         lean_specialized_shape<128, 64, 2, 32>(a, nt, st, out) ||
-         lean_specialized_shape<128, 64, 1, 64>(a, nt, st, out);
+         lean_specialized_shape<128, 64, 2, 32>(a, nt, st, out);
+  // Not (128, 64, 1, 64): there the specialised kernels' dmimo_o, dmimo_z and dnorm_weight
+  // differed in their last bits from the generic kernels' on the H200 (the other outputs and
+  // the other ten shapes were identical); not found yet (docs/PERF.md, session 10).
 }
 
 }  // namespace mamba3::cuda::mimo
