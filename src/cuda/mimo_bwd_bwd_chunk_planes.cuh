@@ -608,11 +608,17 @@ BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
     }
     // The loads' layout chosen per step task (a uniform branch; the sincos above stays one
     // copy): the quad-load body (every source with vec 2) issues only its 8-byte loads; the
-    // fallback (other layouts, rare) takes the ranks one at a time (RG 1: less code) with
-    // 2-byte loads. Same values and arithmetic per element either way.
-    auto rows = [&](auto quad_tag) {
+    // fallback (other layouts, rare) takes the ranks one at a time (G 1: less code) with
+    // 2-byte loads. Same values and arithmetic per element either way. The quad body's group
+    // G = min(RG, R) is compile-time (one copy per G: R = 1, 2 and R >= RG), so that G divides
+    // the rank count: no per-rank r < R tests, and the step's i < L test is one branch per
+    // group, not one per rank (with their zero-initialisations).
+    auto rows = [&](auto quad_tag, auto g_tag) {
       constexpr bool kQuad = decltype(quad_tag)::value;
-      constexpr int G = kQuad ? RG : 1;
+      constexpr int G = decltype(g_tag)::value;
+      // Ranks: G itself where the quad body's G < RG (R = G), else the runtime R (a multiple
+      // of G).
+      const int nr = kQuad && G < RG ? G : R;
       BB_UNROLL
       for (int k = 0; k < NX; ++k) {
         const View& x = *src[k].x;
@@ -620,46 +626,51 @@ BB_DEV void rotated_quad_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
         const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
         // Rank r's row offset: xrow + r sr, stepped by one add per rank.
         int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
-        for (int r0 = 0; r0 < R; r0 += G) {
+        BB_NO_UNROLL  // (R = 8: two groups of RG, one copy)
+        for (int r0 = 0; r0 < nr; r0 += G) {
           float4 x1[G], x2[G];  // loads first
-          BB_UNROLL
-          for (int u = 0; u < G; ++u, o += sr) {
-            const int r = r0 + u;
-            x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (r < R && i < L) {
+          if (i < L) {
+            BB_UNROLL
+            for (int u = 0; u < G; ++u, o += sr) {
+              const int r = r0 + u;
               const float4 lo = ld4_bf16<kQuad>(xp + o, sx);
               const float4 hi = ld4_bf16<kQuad>(xp + o + hs, sx);
               const float4 b1 = bias(k, r, n), b2 = bias(k, r, half + n);
               x1[u] = make_float4(lo.x + b1.x, lo.y + b1.y, lo.z + b1.z, lo.w + b1.w);
               x2[u] = make_float4(hi.x + b2.x, hi.y + b2.y, hi.z + b2.z, hi.w + b2.w);
             }
+          } else {
+            BB_UNROLL
+            for (int u = 0; u < G; ++u) x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
           }
           const mimo::SplitTile& out = src[k].out;
           BB_UNROLL
           for (int u = 0; u < G; ++u) {
-            const int r = r0 + u;
-            if (r < R) {
-              const int row = (i << lgR) + r;
-              float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
-              float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
-              float y1[4], y2[4];
-              BB_UNROLL
-              for (int j = 0; j < 4; ++j) {
-                y1[j] = v1[j], y2[j] = v2[j];
-                if (n + j < A)
-                  y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
-              }
-              st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
-              st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
+            const int row = (i << lgR) + r0 + u;
+            float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
+            float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
+            float y1[4], y2[4];
+            BB_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              y1[j] = v1[j], y2[j] = v2[j];
+              if (n + j < A)
+                y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
             }
+            st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
+            st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
           }
         }
       }
     };
-    if (quad)
-      rows(std::true_type{});
+    using One = std::integral_constant<int, 1>;
+    if (!quad)
+      rows(std::false_type{}, One{});
+    else if (R >= RG)
+      rows(std::true_type{}, std::integral_constant<int, RG>{});
+    else if (R == 2)
+      rows(std::true_type{}, std::integral_constant<int, 2>{});
     else
-      rows(std::false_type{});
+      rows(std::true_type{}, One{});
   }
 }
 
