@@ -497,6 +497,9 @@ BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
   const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 2;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
   const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2] + n * as3;
+  bool vec = true;
+  BB_UNROLL
+  for (int k = 0; k < NX; ++k) vec = vec && src[k].vec != 0;
   for (int i = tid >> lgQ; i < a.C; i += NT >> lgQ) {
     float2 sn = make_float2(0.f, 0.f), cs = make_float2(1.f, 1.f);
     if (i < L) {
@@ -505,43 +508,55 @@ BB_DEV void rotated_pair_rows(const Args& a, const RotSrc (&src)[NX], Bias bias,
       if (n + 1 < A) bb_sincos(ld(a.angles, ao + as3), &sn.y, &cs.y);
     }
     const float E = scale != nullptr ? (i < L ? scale[i] : 0.f) : 1.f;
-    BB_UNROLL
-    for (int k = 0; k < NX; ++k) {
-      const View& x = *src[k].x;
-      const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
-      // Rank r's row offset: xrow + r sr, stepped by one add per rank.
-      int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
-      for (int r0 = 0; r0 < R; r0 += RG) {
-        float2 x1[RG] = {}, x2[RG] = {};  // loads first
-        BB_UNROLL
-        for (int u = 0; u < RG; ++u, o += sr) {
-          const int r = r0 + u;
-          if (r < R && i < L) {
-            const float2 lo = ld2_t<bf16_t>(x, o, sx, src[k].vec);
-            const float2 hi = ld2_t<bf16_t>(x, o + hs, sx, src[k].vec);
-            const float4 bv = bias(k, r, n);
-            x1[u] = make_float2(lo.x + bv.x, lo.y + bv.y);
-            x2[u] = make_float2(hi.x + bv.z, hi.y + bv.w);
+    // The pair-load choice compile-time per step task (a uniform branch; the sincos above stays
+    // one copy): the pair body (every source with vec) issues only its 4-byte loads (with a
+    // runtime choice both paths were predicated and issued); the fallback (layouts without pair
+    // loads, rare) takes the ranks one at a time (G 1: less code). Same values and arithmetic.
+    auto rows = [&](auto vec_tag) {
+      constexpr bool kVec = decltype(vec_tag)::value;
+      constexpr int G = kVec ? RG : 1;
+      BB_UNROLL
+      for (int k = 0; k < NX; ++k) {
+        const View& x = *src[k].x;
+        const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
+        // Rank r's row offset: xrow + r sr, stepped by one add per rank.
+        int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+        for (int r0 = 0; r0 < R; r0 += G) {
+          float2 x1[G] = {}, x2[G] = {};  // loads first
+          BB_UNROLL
+          for (int u = 0; u < G; ++u, o += sr) {
+            const int r = r0 + u;
+            if (r < R && i < L) {
+              const float2 lo = ld2_t<bf16_t>(x, o, sx, kVec);
+              const float2 hi = ld2_t<bf16_t>(x, o + hs, sx, kVec);
+              const float4 bv = bias(k, r, n);
+              x1[u] = make_float2(lo.x + bv.x, lo.y + bv.y);
+              x2[u] = make_float2(hi.x + bv.z, hi.y + bv.w);
+            }
           }
-        }
-        const mimo::SplitTile& out = src[k].out;
-        BB_UNROLL
-        for (int u = 0; u < RG; ++u) {
-          const int r = r0 + u;
-          if (r < R) {
-            const int row = (i << lgR) + r;
-            float2 y1 = x1[u], y2 = x2[u];
-            if (n < A)
-              y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
-            if (n + 1 < A)
-              y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
-            if (scale != nullptr) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
-            st_split_pair(out, row * out.ld + n, y1);
-            st_split_pair(out, row * out.ld + half + n, y2);
+          const mimo::SplitTile& out = src[k].out;
+          BB_UNROLL
+          for (int u = 0; u < G; ++u) {
+            const int r = r0 + u;
+            if (r < R) {
+              const int row = (i << lgR) + r;
+              float2 y1 = x1[u], y2 = x2[u];
+              if (n < A)
+                y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
+              if (n + 1 < A)
+                y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
+              if (scale != nullptr) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
+              st_split_pair(out, row * out.ld + n, y1);
+              st_split_pair(out, row * out.ld + half + n, y2);
+            }
           }
         }
       }
-    }
+    };
+    if (vec)
+      rows(std::true_type{});
+    else
+      rows(std::false_type{});
   }
 }
 
@@ -697,16 +712,17 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
   const DoutRows dr = dout_rows(a, b, h);
   const RankWeights wo = thread_rank_weights<NT>(a.mimo_o, h, R, lgP, a.layout == 0);
   const RankWeights wz = thread_rank_weights<NT>(a.mimo_z, h, R, lgP, a.gate != 0);
-  with_dout_dtype(a.dout.dt, [&](auto dtag) {
-    using TD = typename decltype(dtag)::type;
-    pair_rows<4, NT>(
+  // The pair-load choice compile-time (a runtime one predicated both paths and issued all
+  // three loads): pair loads by dtype, four rows in flight; the fallback (layouts without pair
+  // loads, rare) a row at a time (less code). The same rows, values and arithmetic either way.
+  auto g_rows = [&](auto rows_tag, auto ld_pair) {
+    pair_rows<decltype(rows_tag)::value, NT>(
         T, lgP,
         [&](int row, int pc) {
           float2 g = make_float2(0.f, 0.f);
           if (row < TL) {
             const int i = row >> lgR, r = row & (R - 1);
-            g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
-                          a.vec_dout);
+            g = ld_pair(dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp);
             if (a.layout == 0) {
               const float2 mo = wo.at(a.mimo_o, h, r, pc);
               g.x *= mo.x, g.y *= mo.y;
@@ -719,7 +735,16 @@ BB_DEV void increment_planes_body(const Args& a, unsigned char* smem) {
           return g;
         },
         [&](int row, int pc, float2 g) { st_split_pair(Gp, row * ldP + pc, g); });
-  });
+  };
+  if (a.vec_dout)
+    with_dout_dtype(a.dout.dt, [&](auto dtag) {
+      using TD = typename decltype(dtag)::type;
+      g_rows(std::integral_constant<int, 4>{},
+             [&](int64_t o) { return ld2_t<TD>(a.dout, o, dr.sp, true); });
+    });
+  else  // (one runtime-dtype copy: ld's values are ld2_t's)
+    g_rows(std::integral_constant<int, 1>{},
+           [&](int64_t o) { return make_float2(ld(a.dout, o), ld(a.dout, o + dr.sp)); });
   bb_sync();  // s_E
   // Two ranks per load group: with four, ptxas spills at K1's 64 registers.
   // q_bias with its dtype dispatched once (K1 has no shared memory to spare for staging it).
