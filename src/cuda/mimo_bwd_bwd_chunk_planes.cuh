@@ -1457,8 +1457,10 @@ BB_DEV void chunk_planes_body(const Args& a, unsigned char* smem) {
         float acc = 0.f;
         with_pow2(lgR, [&](auto kr) {
           constexpr int KR = decltype(kr)::value;
+          // Rows i KR + r through a pointer stepped by P (the index was shifts per rank).
+          const float* px = dx + ((i * KR) << lgP) + p;
           BB_UNROLL
-          for (int r = 0; r < KR; ++r) acc += dx[((i * KR + r) << lgP) + p] * mvr[r];
+          for (int r = 0; r < KR; ++r, px += P) acc += *px * mvr[r];
         });
         st(a.dv, dv0 + (s0 + i) * ds1, acc);
       }
