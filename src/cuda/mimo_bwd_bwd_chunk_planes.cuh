@@ -500,6 +500,9 @@ BB_DEV void rotated_pair_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
   const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 2;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
   const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2] + n * as3;
+  bool vec = true;
+  BB_UNROLL
+  for (int k = 0; k < NX; ++k) vec = vec && src[k].vec != 0;
   for (int i = tid >> lgQ; i < a.C; i += NT >> lgQ) {
     float2 sn = make_float2(0.f, 0.f), cs = make_float2(1.f, 1.f);
     if (i < L) {
@@ -508,43 +511,55 @@ BB_DEV void rotated_pair_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
       if (n + 1 < A) bb_sincos(ld(a.angles, ao + as3), &sn.y, &cs.y);
     }
     const float E = scale != nullptr ? (i < L ? scale[i] : 0.f) : 1.f;
-    BB_UNROLL
-    for (int k = 0; k < NX; ++k) {
-      const View& x = *src[k].x;
-      const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
-      // Rank r's row offset: xrow + r sr, stepped by one add per rank.
-      int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
-      for (int r0 = 0; r0 < R; r0 += RG) {
-        float2 x1[RG] = {}, x2[RG] = {};  // loads first
-        BB_UNROLL
-        for (int u = 0; u < RG; ++u, o += sr) {
-          const int r = r0 + u;
-          if (r < R && i < L) {
-            const float2 lo = ld2_t<bf16_t>(x, o, sx, src[k].vec);
-            const float2 hi = ld2_t<bf16_t>(x, o + hs, sx, src[k].vec);
-            const float4 bv = bias(k, r, n);
-            x1[u] = make_float2(lo.x + bv.x, lo.y + bv.y);
-            x2[u] = make_float2(hi.x + bv.z, hi.y + bv.w);
+    // The pair-load choice compile-time per step task (a uniform branch; the sincos above stays
+    // one copy): the pair body (every source with vec) issues only its 4-byte loads (with a
+    // runtime choice both paths were predicated and issued); the fallback (layouts without pair
+    // loads, rare) takes the ranks one at a time (G 1: less code). Same values and arithmetic.
+    auto rows = [&](auto vec_tag) {
+      constexpr bool kVec = decltype(vec_tag)::value;
+      constexpr int G = kVec ? RG : 1;
+      BB_UNROLL
+      for (int k = 0; k < NX; ++k) {
+        const View& x = *src[k].x;
+        const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
+        // Rank r's row offset: xrow + r sr, stepped by one add per rank.
+        int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+        for (int r0 = 0; r0 < R; r0 += G) {
+          float2 x1[G] = {}, x2[G] = {};  // loads first
+          BB_UNROLL
+          for (int u = 0; u < G; ++u, o += sr) {
+            const int r = r0 + u;
+            if (r < R && i < L) {
+              const float2 lo = ld2_t<bf16_t>(x, o, sx, kVec);
+              const float2 hi = ld2_t<bf16_t>(x, o + hs, sx, kVec);
+              const float4 bv = bias(k, r, n);
+              x1[u] = make_float2(lo.x + bv.x, lo.y + bv.y);
+              x2[u] = make_float2(hi.x + bv.z, hi.y + bv.w);
+            }
           }
-        }
-        const mimo::SplitTile& out = src[k].out;
-        BB_UNROLL
-        for (int u = 0; u < RG; ++u) {
-          const int r = r0 + u;
-          if (r < R) {
-            const int row = (i << lgR) + r;
-            float2 y1 = x1[u], y2 = x2[u];
-            if (n < A)
-              y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
-            if (n + 1 < A)
-              y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
-            if (scale != nullptr) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
-            st_split_pair(out, row * out.ld + n, y1);
-            st_split_pair(out, row * out.ld + half + n, y2);
+          const mimo::SplitTile& out = src[k].out;
+          BB_UNROLL
+          for (int u = 0; u < G; ++u) {
+            const int r = r0 + u;
+            if (r < R) {
+              const int row = (i << lgR) + r;
+              float2 y1 = x1[u], y2 = x2[u];
+              if (n < A)
+                y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
+              if (n + 1 < A)
+                y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
+              if (scale != nullptr) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
+              st_split_pair(out, row * out.ld + n, y1);
+              st_split_pair(out, row * out.ld + half + n, y2);
+            }
           }
         }
       }
-    }
+    };
+    if (vec)
+      rows(std::true_type{});
+    else
+      rows(std::false_type{});
   }
 }
 
@@ -611,11 +626,17 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
     }
     // The loads' layout chosen per step task (a uniform branch; the sincos above stays one
     // copy): the quad-load body (every source with vec 2) issues only its 8-byte loads; the
-    // fallback (other layouts, rare) takes the ranks one at a time (RG 1: less code) with
-    // 2-byte loads. Same values and arithmetic per element either way.
-    auto rows = [&](auto quad_tag) {
+    // fallback (other layouts, rare) takes the ranks one at a time (G 1: less code) with
+    // 2-byte loads. Same values and arithmetic per element either way. The quad body's group
+    // G = min(RG, R) is compile-time (one copy per G: R = 1, 2 and R >= RG), so that G divides
+    // the rank count: no per-rank r < R tests, and the step's i < L test is one branch per
+    // group, not one per rank (with their zero-initialisations).
+    auto rows = [&](auto quad_tag, auto g_tag) {
       constexpr bool kQuad = decltype(quad_tag)::value;
-      constexpr int G = kQuad ? RG : 1;
+      constexpr int G = decltype(g_tag)::value;
+      // Ranks: G itself where the quad body's G < RG (R = G), else the runtime R (a multiple
+      // of G).
+      const int nr = kQuad && G < RG ? G : R;
       BB_UNROLL
       for (int k = 0; k < NX; ++k) {
         const View& x = *src[k].x;
@@ -623,46 +644,51 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
         const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
         // Rank r's row offset: xrow + r sr, stepped by one add per rank.
         int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
-        for (int r0 = 0; r0 < R; r0 += G) {
+        BB_NO_UNROLL  // (R = 8: two groups of RG, one copy)
+        for (int r0 = 0; r0 < nr; r0 += G) {
           float4 x1[G], x2[G];  // loads first
-          BB_UNROLL
-          for (int u = 0; u < G; ++u, o += sr) {
-            const int r = r0 + u;
-            x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (r < R && i < L) {
+          if (i < L) {
+            BB_UNROLL
+            for (int u = 0; u < G; ++u, o += sr) {
+              const int r = r0 + u;
               const float4 lo = ld4_bf16<kQuad>(xp + o, sx);
               const float4 hi = ld4_bf16<kQuad>(xp + o + hs, sx);
               const float4 b1 = bias(k, r, n), b2 = bias(k, r, half + n);
               x1[u] = make_float4(lo.x + b1.x, lo.y + b1.y, lo.z + b1.z, lo.w + b1.w);
               x2[u] = make_float4(hi.x + b2.x, hi.y + b2.y, hi.z + b2.z, hi.w + b2.w);
             }
+          } else {
+            BB_UNROLL
+            for (int u = 0; u < G; ++u) x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
           }
           const mimo::SplitTile& out = src[k].out;
           BB_UNROLL
           for (int u = 0; u < G; ++u) {
-            const int r = r0 + u;
-            if (r < R) {
-              const int row = (i << lgR) + r;
-              float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
-              float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
-              float y1[4], y2[4];
-              BB_UNROLL
-              for (int j = 0; j < 4; ++j) {
-                y1[j] = v1[j], y2[j] = v2[j];
-                if (n + j < A)
-                  y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
-              }
-              st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
-              st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
+            const int row = (i << lgR) + r0 + u;
+            float v1[4] = {x1[u].x, x1[u].y, x1[u].z, x1[u].w};
+            float v2[4] = {x2[u].x, x2[u].y, x2[u].z, x2[u].w};
+            float y1[4], y2[4];
+            BB_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              y1[j] = v1[j], y2[j] = v2[j];
+              if (n + j < A)
+                y1[j] = v1[j] * cs[j] - v2[j] * sn[j], y2[j] = v1[j] * sn[j] + v2[j] * cs[j];
             }
+            st_split4(out, row * out.ld + n, make_float4(y1[0], y1[1], y1[2], y1[3]));
+            st_split4(out, row * out.ld + half + n, make_float4(y2[0], y2[1], y2[2], y2[3]));
           }
         }
       }
     };
-    if (quad)
-      rows(std::true_type{});
+    using One = std::integral_constant<int, 1>;
+    if (!quad)
+      rows(std::false_type{}, One{});
+    else if (R >= RG)
+      rows(std::true_type{}, std::integral_constant<int, RG>{});
+    else if (R == 2)
+      rows(std::true_type{}, std::integral_constant<int, 2>{});
     else
-      rows(std::false_type{});
+      rows(std::true_type{}, One{});
   }
 }
 
@@ -690,16 +716,17 @@ BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
   const DoutRows dr = dout_rows(a, b, h);
   const RankWeights wo = thread_rank_weights<NT>(a.mimo_o, h, R, lgP, a.layout == 0);
   const RankWeights wz = thread_rank_weights<NT>(a.mimo_z, h, R, lgP, a.gate != 0);
-  with_dout_dtype(a.dout.dt, [&](auto dtag) {
-    using TD = typename decltype(dtag)::type;
-    pair_rows<4, NT>(
+  // The pair-load choice compile-time (a runtime one predicated both paths and issued all
+  // three loads): pair loads by dtype, four rows in flight; the fallback (layouts without pair
+  // loads, rare) a row at a time (less code). The same rows, values and arithmetic either way.
+  auto g_rows = [&](auto rows_tag, auto ld_pair) {
+    pair_rows<decltype(rows_tag)::value, NT>(
         T, lgP,
         [&](int row, int pc) {
           float2 g = make_float2(0.f, 0.f);
           if (row < TL) {
             const int i = row >> lgR, r = row & (R - 1);
-            g = ld2_t<TD>(a.dout, dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp, dr.sp,
-                          a.vec_dout);
+            g = ld_pair(dr.base + (s0 + i) * dr.st + r * dr.sr + pc * dr.sp);
             if (a.layout == 0) {
               const float2 mo = wo.at(a.mimo_o, h, r, pc);
               g.x *= mo.x, g.y *= mo.y;
@@ -712,7 +739,16 @@ BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
           return g;
         },
         [&](int row, int pc, float2 g) { st_split_pair(Gp, row * ldP + pc, g); });
-  });
+  };
+  if (a.vec_dout)
+    with_dout_dtype(a.dout.dt, [&](auto dtag) {
+      using TD = typename decltype(dtag)::type;
+      g_rows(std::integral_constant<int, 4>{},
+             [&](int64_t o) { return ld2_t<TD>(a.dout, o, dr.sp, true); });
+    });
+  else  // (one runtime-dtype copy: ld's values are ld2_t's)
+    g_rows(std::integral_constant<int, 1>{},
+           [&](int64_t o) { return make_float2(ld(a.dout, o), ld(a.dout, o + dr.sp)); });
   bb_sync();  // s_E
   // Two ranks per load group: with four, ptxas spills at K1's 64 registers.
   // q_bias with its dtype dispatched once (K1 has no shared memory to spare for staging it).
@@ -1426,18 +1462,27 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         float acc = 0.f;
         with_pow2(lgR, [&](auto kr) {
           constexpr int KR = decltype(kr)::value;
+          // Rows i KR + r through a pointer stepped by P (the index was shifts per rank).
+          const float* px = dx + ((i * KR) << lgP) + p;
           BB_UNROLL
-          for (int r = 0; r < KR; ++r) acc += dx[((i * KR + r) << lgP) + p] * mvr[r];
+          for (int r = 0; r < KR; ++r, px += P) acc += *px * mvr[r];
         });
         st(a.dv, dv0 + (s0 + i) * ds1, acc);
       }
     }
     for (int e = tid; e < (R << lgP); e += NT) {
       const int r = e >> lgP, p = e & (P - 1);
-      const int64_t vp = v0 + int64_t{s0} * a.v.s[1] + p * vs;
+      // dx row i R + r and v[b, s0 + i, h, p] through pointers stepped per step (the dx index
+      // was formed by shifts, the v offset by a 64-bit multiply, per element); the same
+      // elements, values (ld_t's) and summation order.
+      const int64_t vs1 = a.v.s[1];
+      const unsigned short* pv =
+          reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
+      const float* px = dx + (r << lgP) + p;
       float acc = 0.f;
-      for (int i = 0; i < L; ++i)
-        acc += dx[(((i << lgR) + r) << lgP) + p] * ld_t<bf16_t>(a.v, vp + i * a.v.s[1]);
+#pragma unroll 4  // (the default 16 adds ~150 instructions of remainder code for 16-step chunks)
+      for (int i = 0; i < L; ++i, px += R << lgP, pv += vs1)
+        acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
       a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }
     bb_sync();  // DQ, DK complete in dqh, dkh
