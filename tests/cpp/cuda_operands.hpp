@@ -11,9 +11,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mamba3/mamba3.h"
@@ -138,6 +140,33 @@ void expect_graph_replays_match(cudaStream_t st, Call call, Poison poison, Resul
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// The results of one call of dev (poisoned outputs, default stream): as the library runs by
+// default, then with environment switch `name` (read by the library at every call) set to "0".
+// For the tests that require two code paths to give the same bits.
+using OutputBytes = std::vector<std::vector<unsigned char>>;  // per output, row-major bytes
+template <class Device>
+std::pair<OutputBytes, OutputBytes> results_default_and_switched_off(Device& dev,
+                                                                     const char* name) {
+  auto run = [&] {
+    dev.poison();
+    const mamba3_status st = dev.call(nullptr, dev.ws_bytes);
+    if (st != MAMBA3_OK) throw std::runtime_error(mamba3_last_error());
+    ck(cudaDeviceSynchronize(), "sync");
+    return dev.results();
+  };
+  OutputBytes on = run();
+  setenv(name, "0", 1);
+  OutputBytes off;
+  try {
+    off = run();
+  } catch (...) {
+    unsetenv(name);
+    throw;
+  }
+  unsetenv(name);
+  return {on, off};
 }
 
 }  // namespace mamba3::test::cuda_ops

@@ -111,10 +111,7 @@ TEST(MimoBwdBwdCuda, LargeAndOddSizes) {
 // and partial chunks), bf16 activations and caches, D, the three dout layouts in turn.
 TEST(MimoBwdBwdCuda, ReferenceShapesShortSequence) {
   SKIP_WITHOUT_CUDA();
-  const int64_t shapes[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
-                               {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
-                               {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
-                               {128, 64, 2, 32}, {128, 64, 1, 64}};
+  const auto& shapes = kReferenceShapes;
   const MimoDoutKind layouts[] = {MimoDoutKind::ReduceO, MimoDoutKind::PerRank,
                                   MimoDoutKind::Packed};
   std::vector<MimoBwdBwdCase> cases;
@@ -294,10 +291,7 @@ TEST(MimoBwdBwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
 TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
   SKIP_WITHOUT_CUDA();
 #ifdef MAMBA3_GOLDEN_CUDA
-  const int64_t shapes[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
-                               {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
-                               {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
-                               {128, 64, 2, 32}, {128, 64, 1, 64}};
+  const auto& shapes = kReferenceShapes;
   const MimoDoutKind layouts[] = {MimoDoutKind::ReduceO, MimoDoutKind::PerRank,
                                   MimoDoutKind::Packed};
   int k = 0;
@@ -306,17 +300,7 @@ TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
                 IoType::BF16, 71 + k);
     ++k;
     OnDevice dev(op, false);
-    dev.poison();
-    ASSERT_EQ(dev.call(nullptr, dev.ws_bytes), MAMBA3_OK) << mamba3_last_error();
-    ck(cudaDeviceSynchronize(), "sync");
-    const auto spec = dev.results();
-    dev.poison();
-    setenv("MAMBA3_BB_SPECIALIZED", "0", 1);
-    const mamba3_status st = dev.call(nullptr, dev.ws_bytes);
-    unsetenv("MAMBA3_BB_SPECIALIZED");
-    ASSERT_EQ(st, MAMBA3_OK) << mamba3_last_error();
-    ck(cudaDeviceSynchronize(), "sync");
-    const auto gen = dev.results();
+    const auto [spec, gen] = results_default_and_switched_off(dev, "MAMBA3_BB_SPECIALIZED");
     for (size_t j = 0; j < spec.size(); ++j)
       EXPECT_TRUE(spec[j] == gen[j]) << kOutNames[j] << " differs at N" << s[0] << " P" << s[1]
                                      << " R" << s[2] << " C" << s[3];

@@ -91,10 +91,7 @@ TEST(MimoBwdCombinedCuda, LargeAndOddSizes) {
 // runs it), the fused norm on every third shape.
 TEST(MimoBwdCombinedCuda, ReferenceShapesShortSequence) {
   SKIP_WITHOUT_CUDA();
-  const int64_t shapes[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
-                               {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
-                               {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
-                               {128, 64, 2, 32}, {128, 64, 1, 64}};
+  const auto& shapes = kReferenceShapes;
   std::vector<MimoCombinedCase> cases;
   uint64_t seed = 51;
   int k = 0;

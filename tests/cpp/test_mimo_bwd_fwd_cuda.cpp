@@ -165,10 +165,7 @@ TEST(MimoBwdFwdCuda, OddSizes) {
 // and partial chunks), bf16 activations, gate and D.
 TEST(MimoBwdFwdCuda, ReferenceShapesShortSequence) {
   SKIP_WITHOUT_CUDA();
-  const int64_t shapes[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
-                               {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
-                               {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
-                               {128, 64, 2, 32}, {128, 64, 1, 64}};
+  const auto& shapes = kReferenceShapes;
   WorstLog worst;
   uint64_t seed = 51;
   for (const auto& s : shapes) {
@@ -327,10 +324,7 @@ TEST(MimoBwdFwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
 TEST(MimoBwdFwdCuda, SpecializedKernelsGiveIdenticalBits) {
   SKIP_WITHOUT_CUDA();
 #ifdef MAMBA3_GOLDEN_CUDA
-  const int64_t shapes[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
-                               {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
-                               {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
-                               {128, 64, 2, 32}, {128, 64, 1, 64}};
+  const auto& shapes = kReferenceShapes;
   struct V {
     bool reduce, z, norm;
   };
@@ -341,17 +335,7 @@ TEST(MimoBwdFwdCuda, SpecializedKernelsGiveIdenticalBits) {
       MimoOperands op(2, 150, 2, 1, s[0], s[1], s[2], s[3], v.reduce, v.z, v.norm, IoType::BF16,
                       IoType::BF16, 91 + k++);
       MimoDevice dev(op, false);
-      dev.poison();
-      ASSERT_EQ(dev.call(nullptr, dev.ws_bytes), MAMBA3_OK) << mamba3_last_error();
-      ck(cudaDeviceSynchronize(), "sync");
-      const auto spec = dev.results();
-      dev.poison();
-      setenv("MAMBA3_MIMO_SPECIALIZED", "0", 1);
-      const mamba3_status st = dev.call(nullptr, dev.ws_bytes);
-      unsetenv("MAMBA3_MIMO_SPECIALIZED");
-      ASSERT_EQ(st, MAMBA3_OK) << mamba3_last_error();
-      ck(cudaDeviceSynchronize(), "sync");
-      const auto gen = dev.results();
+      const auto [spec, gen] = results_default_and_switched_off(dev, "MAMBA3_MIMO_SPECIALIZED");
       for (size_t j = 0; j < spec.size(); ++j)
         EXPECT_TRUE(spec[j] == gen[j]) << "output " << j << " differs at N" << s[0] << " P"
                                        << s[1] << " R" << s[2] << " C" << s[3] << " reduce "

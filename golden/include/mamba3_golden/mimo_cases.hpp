@@ -67,4 +67,11 @@ CaseReport run_mimo_bwd_bwd_case(const MimoBwdBwdCase& c, Device dev, int repeat
 using MimoCombinedCase = MimoBwdFwdCase;
 CaseReport run_mimo_bwd_combined_case(const MimoCombinedCase& c, Device dev, int repeats = 1);
 
+// SPEC.md section 4's benchmark grid, (N, P, R, C) (upstream's reference shapes; the CUDA
+// backend compiles shape-specialised chunk kernels for them).
+inline constexpr int64_t kReferenceShapes[11][4] = {
+    {16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16}, {128, 64, 4, 16},
+    {256, 64, 4, 8},  {64, 128, 4, 16}, {128, 32, 4, 16}, {128, 128, 4, 8},
+    {128, 64, 8, 8},  {128, 64, 2, 32}, {128, 64, 1, 64}};
+
 }  // namespace mamba3::golden
