@@ -154,37 +154,31 @@ void mimo_bwd_fwd(const MimoBwdFwdParams& p, void* workspace, size_t workspace_b
   // The lean kernels specialised to this shape, where they were compiled for it.
   mimo::LeanPair ct;
   const bool spec = pl.lean && mimo::lean_specialized(a, pl.nt, pl.lean, &ct);
+  // K1 or K3: its specialised copy sk when there is one, else the generic kernel k.
+  auto launch = [&](const mimo::LeanLaunch& sk, LeanKernel k, int64_t grid, size_t smem,
+                    const char* attr_what, const char* launch_what) {
+    set_smem(spec ? sk.kernel : reinterpret_cast<const void*>(k), p.device_id, smem, attr_what);
+    if (spec)
+      sk.launch(a, static_cast<unsigned>(grid), pl.nt, static_cast<int>(smem), st);
+    else
+      k<<<static_cast<unsigned>(grid), pl.nt, smem, st>>>(a);
+    check_launch(launch_what);
+  };
   if (pl.nseg > 1) {
-    const unsigned grid1 = static_cast<unsigned>(BH * pl.npt * pl.nsub);
-    if (spec) {
-      set_smem(ct.k1.kernel, p.device_id, pl.smem1,
-               "mimo_bwd_fwd: cudaFuncSetAttribute(local scan)");
-      ct.k1.launch(a, grid1, pl.nt, static_cast<int>(pl.smem1), st);
-    } else {
-      auto k1 = pl.lean ? lean_k1(pl.nt, pl.lean)
-                        : pl.tc1 ? mimo_local_scan_kernel<true> : mimo_local_scan_kernel<false>;
-      set_smem(reinterpret_cast<const void*>(k1), p.device_id, pl.smem1,
-               "mimo_bwd_fwd: cudaFuncSetAttribute(local scan)");
-      k1<<<grid1, pl.nt, pl.smem1, st>>>(a);
-    }
-    check_launch("mimo_bwd_fwd: local scan kernel");
+    launch(ct.k1,
+           pl.lean ? lean_k1(pl.nt, pl.lean)
+                   : pl.tc1 ? mimo_local_scan_kernel<true> : mimo_local_scan_kernel<false>,
+           BH * pl.npt * pl.nsub, pl.smem1, "mimo_bwd_fwd: cudaFuncSetAttribute(local scan)",
+           "mimo_bwd_fwd: local scan kernel");
     const int64_t per_bh = (p.N * p.P + kNT - 1) / kNT;
     mimo_segment_states_kernel<<<static_cast<unsigned>(BH * per_bh), kNT, 0, st>>>(a);
     check_launch("mimo_bwd_fwd: segment states kernel");
   }
-  const unsigned grid3 = static_cast<unsigned>(BH * pl.npt * pl.nseg);
-  if (spec) {
-    set_smem(ct.k3.kernel, p.device_id, pl.smem3,
-             "mimo_bwd_fwd: cudaFuncSetAttribute(chunk pass)");
-    ct.k3.launch(a, grid3, pl.nt, static_cast<int>(pl.smem3), st);
-  } else {
-    auto k3 = pl.lean ? lean_k3(pl.nt, pl.lean)
-                      : pl.tc ? mimo_chunk_pass_kernel<true> : mimo_chunk_pass_kernel<false>;
-    set_smem(reinterpret_cast<const void*>(k3), p.device_id, pl.smem3,
-             "mimo_bwd_fwd: cudaFuncSetAttribute(chunk pass)");
-    k3<<<grid3, pl.nt, pl.smem3, st>>>(a);
-  }
-  check_launch("mimo_bwd_fwd: chunk pass kernel");
+  launch(ct.k3,
+         pl.lean ? lean_k3(pl.nt, pl.lean)
+                 : pl.tc ? mimo_chunk_pass_kernel<true> : mimo_chunk_pass_kernel<false>,
+         BH * pl.npt * pl.nseg, pl.smem3, "mimo_bwd_fwd: cudaFuncSetAttribute(chunk pass)",
+         "mimo_bwd_fwd: chunk pass kernel");
   if (pl.defer_epi) {
     set_smem(reinterpret_cast<const void*>(mimo_deferred_epilogue_kernel), p.device_id, pl.smem5,
              "mimo_bwd_fwd: cudaFuncSetAttribute(deferred epilogue)");
