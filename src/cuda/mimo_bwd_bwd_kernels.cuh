@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "core/mimo_bwd_bwd_params.hpp"
@@ -44,10 +45,12 @@
 
 #if defined(__CUDACC__)
 #define BB_DEV __device__ __forceinline__
+#define BB_HD __host__ __device__ inline
 #define BB_UNROLL _Pragma("unroll")
 #define BB_NO_UNROLL _Pragma("unroll 1")
 #else
 #define BB_DEV inline
+#define BB_HD inline
 #define BB_UNROLL
 #define BB_NO_UNROLL
 #endif
@@ -572,24 +575,35 @@ BB_DEV void increment_body(const Args& a, float* smem) {
 
 // ------------------------------------------------------------------ K2: reverse scan
 
-BB_DEV void scan_body(const Args& a) {
-  const int64_t NP = static_cast<int64_t>(a.N) * a.P;
+// Elements per thread of the scan: 4 (one 16-byte load / store per chunk) when N P is a
+// multiple of 4 (the workspace is kAlign-aligned, so every chunk's cell group is too), else 1.
+// Why 4: one float per thread kept ~64 KB in flight per SM and ran at ~63% of the copy ceiling.
+BB_HD int scan_width(int64_t NP) { return NP % 4 == 0 ? 4 : 1; }
+
+template <int W>
+BB_DEV void scan_cells(const Args& a, int64_t NP) {
+  using V = typename std::conditional<W == 4, float4, float>::type;
   const int64_t idx = bb_bid() * kThreads + bb_tid();
-  if (idx >= static_cast<int64_t>(a.B) * a.H * NP) return;
-  const int64_t bh = idx / NP, e = idx % NP;
+  const int64_t NPW = NP / W;
+  if (idx >= static_cast<int64_t>(a.B) * a.H * NPW) return;
+  const int64_t bh = idx / NPW, e = (idx % NPW) * W;
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
-  float* col = a.ws_ds + bh * a.nch * NP + e;  // cell of chunk c: col[c * NP]
+  V* col = reinterpret_cast<V*>(a.ws_ds + bh * a.nch * NP + e);  // chunk c: col[c * NP / W]
+  const int64_t cs = NP / W;
   // Chunks in groups of kScanU, each group's loads issued before its serial updates (why: one
   // dependent load per chunk made this kernel latency-bound, ~170 GB/s).
   constexpr int kScanU = 8;
-  float acc = 0.f;  // dS leaving the current chunk
+  float acc[W];  // dS leaving the current chunk
+  BB_UNROLL
+  for (int w = 0; w < W; ++w) acc[w] = 0.f;
   for (int c1 = a.nch - 1; c1 >= 1; c1 -= kScanU) {
-    float u[kScanU], dec[kScanU];
+    V u[kScanU];
+    float dec[kScanU];
     BB_UNROLL
     for (int j = 0; j < kScanU; ++j) {
       const int c = c1 - j;
       if (c >= 1) {
-        u[j] = col[c * NP];
+        u[j] = col[c * cs];
         dec[j] = expf(ld(a.da_cs, o3(a.da_cs, b, h, bb_min(c * a.C + a.C, a.S) - 1)));
       }
     }
@@ -597,12 +611,30 @@ BB_DEV void scan_body(const Args& a) {
     for (int j = 0; j < kScanU; ++j) {
       const int c = c1 - j;
       if (c >= 1) {
-        col[c * NP] = acc;
-        acc = dec[j] * acc + u[j];
+        const float* uj = reinterpret_cast<const float*>(&u[j]);
+        V out;
+        float* o = reinterpret_cast<float*>(&out);
+        BB_UNROLL
+        for (int w = 0; w < W; ++w) {
+          o[w] = acc[w];
+          acc[w] = dec[j] * acc[w] + uj[w];
+        }
+        col[c * cs] = out;
       }
     }
   }
-  col[0] = acc;  // U_0 is never formed: nothing reads the state entering chunk 0
+  V out;  // U_0 is never formed: nothing reads the state entering chunk 0
+  BB_UNROLL
+  for (int w = 0; w < W; ++w) reinterpret_cast<float*>(&out)[w] = acc[w];
+  col[0] = out;
+}
+
+BB_DEV void scan_body(const Args& a) {
+  const int64_t NP = static_cast<int64_t>(a.N) * a.P;
+  if (scan_width(NP) == 4)
+    scan_cells<4>(a, NP);
+  else
+    scan_cells<1>(a, NP);
 }
 
 // ------------------------------------------------------------------ K3: the chunk pass
@@ -1039,7 +1071,7 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
                  sizeof(float) +
              kAlign;
   pl.grid1 = nch > 1 ? BH * nch : 0;
-  pl.grid2 = (BH * NP + kThreads - 1) / kThreads;
+  pl.grid2 = (BH * NP / scan_width(NP) + kThreads - 1) / kThreads;
   pl.grid3 = pl.planes ? BH * nch : pl.nslots;
   pl.grid4 = (BH * p.R * p.P + BH + kThreads - 1) / kThreads;
   // At most kK1Smem = 48 KB: the default limit (no attribute call).
