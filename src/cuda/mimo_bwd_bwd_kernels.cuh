@@ -575,12 +575,17 @@ BB_DEV void increment_body(const Args& a, float* smem) {
 
 // ------------------------------------------------------------------ K2: reverse scan
 
-// Elements per thread of the scan: 4 (one 16-byte load / store per chunk) when N P is a
-// multiple of 4 (the workspace is kAlign-aligned, so every chunk's cell group is too), else 1.
-// Why 4: one float per thread kept ~64 KB in flight per SM and ran at ~63% of the copy ceiling.
-BB_HD int scan_width(int64_t NP) { return NP % 4 == 0 ? 4 : 1; }
+// The scan's cells per thread: 4 (one 16-byte load / store per chunk) when N P is a multiple of
+// 4 (the workspace is kAlign-aligned, so every chunk's cell group is too) and that still leaves
+// >= 64K threads (~2 CTAs per SM), else 1. Why: one float per thread kept ~64 KB in flight per
+// SM at N128 P64 and ran at ~63% of the copy ceiling; with 4 the scan is ~26% faster there, but
+// at N16 P64 (B H = 64) 4 per thread left only 64 CTAs for 132 SMs and ran 7% slower.
+BB_HD int scan_width(int64_t BH, int64_t NP) {
+  return NP % 4 == 0 && BH * NP / 4 >= (int64_t{1} << 16) ? 4 : 1;
+}
 
-template <int W>
+// U: chunks per group (loads in flight per thread); more when there are few threads.
+template <int W, int U>
 BB_DEV void scan_cells(const Args& a, int64_t NP) {
   using V = typename std::conditional<W == 4, float4, float>::type;
   const int64_t idx = bb_bid() * kThreads + bb_tid();
@@ -590,9 +595,9 @@ BB_DEV void scan_cells(const Args& a, int64_t NP) {
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
   V* col = reinterpret_cast<V*>(a.ws_ds + bh * a.nch * NP + e);  // chunk c: col[c * NP / W]
   const int64_t cs = NP / W;
-  // Chunks in groups of kScanU, each group's loads issued before its serial updates (why: one
+  // Chunks in groups of U, each group's loads issued before its serial updates (why: one
   // dependent load per chunk made this kernel latency-bound, ~170 GB/s).
-  constexpr int kScanU = 8;
+  constexpr int kScanU = U;
   float acc[W];  // dS leaving the current chunk
   BB_UNROLL
   for (int w = 0; w < W; ++w) acc[w] = 0.f;
@@ -631,10 +636,10 @@ BB_DEV void scan_cells(const Args& a, int64_t NP) {
 
 BB_DEV void scan_body(const Args& a) {
   const int64_t NP = static_cast<int64_t>(a.N) * a.P;
-  if (scan_width(NP) == 4)
-    scan_cells<4>(a, NP);
+  if (scan_width(static_cast<int64_t>(a.B) * a.H, NP) == 4)
+    scan_cells<4, 8>(a, NP);
   else
-    scan_cells<1>(a, NP);
+    scan_cells<1, 16>(a, NP);
 }
 
 // ------------------------------------------------------------------ K3: the chunk pass
@@ -1071,7 +1076,7 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
                  sizeof(float) +
              kAlign;
   pl.grid1 = nch > 1 ? BH * nch : 0;
-  pl.grid2 = (BH * NP / scan_width(NP) + kThreads - 1) / kThreads;
+  pl.grid2 = (BH * NP / scan_width(BH, NP) + kThreads - 1) / kThreads;
   pl.grid3 = pl.planes ? BH * nch : pl.nslots;
   pl.grid4 = (BH * p.R * p.P + BH + kThreads - 1) / kThreads;
   // At most kK1Smem = 48 KB: the default limit (no attribute call).
