@@ -579,13 +579,14 @@ BB_DEV void increment_body(const Args& a, float* smem) {
 // 4 (the workspace is kAlign-aligned, so every chunk's cell group is too) and that still leaves
 // >= 64K threads (~2 CTAs per SM), else 1. Why: one float per thread kept ~64 KB in flight per
 // SM at N128 P64 and ran at ~63% of the copy ceiling; with 4 the scan is ~26% faster there, but
-// at N16 P64 (B H = 64) 4 per thread left only 64 CTAs for 132 SMs and ran 7% slower.
+// at N16 P64 (B H = 64) 4 per thread left only 64 CTAs for 132 SMs and ran 7% slower. Tried:
+// 16 chunks per group for the 1-wide case: 0.126 vs 0.074 ms at N32 P64 (and the build with it
+// ran the 4-wide case at 0.188 instead of 0.147 ms at N128).
 BB_HD int scan_width(int64_t BH, int64_t NP) {
   return NP % 4 == 0 && BH * NP / 4 >= (int64_t{1} << 16) ? 4 : 1;
 }
 
-// U: chunks per group (loads in flight per thread); more when there are few threads.
-template <int W, int U>
+template <int W>
 BB_DEV void scan_cells(const Args& a, int64_t NP) {
   using V = typename std::conditional<W == 4, float4, float>::type;
   const int64_t idx = bb_bid() * kThreads + bb_tid();
@@ -595,9 +596,9 @@ BB_DEV void scan_cells(const Args& a, int64_t NP) {
   const int b = static_cast<int>(bh / a.H), h = static_cast<int>(bh % a.H);
   V* col = reinterpret_cast<V*>(a.ws_ds + bh * a.nch * NP + e);  // chunk c: col[c * NP / W]
   const int64_t cs = NP / W;
-  // Chunks in groups of U, each group's loads issued before its serial updates (why: one
+  // Chunks in groups of kScanU, each group's loads issued before its serial updates (why: one
   // dependent load per chunk made this kernel latency-bound, ~170 GB/s).
-  constexpr int kScanU = U;
+  constexpr int kScanU = 8;
   float acc[W];  // dS leaving the current chunk
   BB_UNROLL
   for (int w = 0; w < W; ++w) acc[w] = 0.f;
@@ -637,9 +638,9 @@ BB_DEV void scan_cells(const Args& a, int64_t NP) {
 BB_DEV void scan_body(const Args& a) {
   const int64_t NP = static_cast<int64_t>(a.N) * a.P;
   if (scan_width(static_cast<int64_t>(a.B) * a.H, NP) == 4)
-    scan_cells<4, 8>(a, NP);
+    scan_cells<4>(a, NP);
   else
-    scan_cells<1, 16>(a, NP);
+    scan_cells<1>(a, NP);
 }
 
 // ------------------------------------------------------------------ K3: the chunk pass
