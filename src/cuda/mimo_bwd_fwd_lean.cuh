@@ -192,14 +192,15 @@ MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const M
 // chunk ahead (why: every chunk's builds otherwise waited on HBM for their rows before any
 // product could start; the second pass's K3 gained 4-7% from the same hint). One row per task;
 // a row's lines by its 128-byte spans (by elements where the columns are strided). Rows past
-// the sequence are not touched.
-template <int NT, bool Q, bool X, class AT>
+// the sequence are not touched. REV: the threads from the last down (task e on thread
+// NT - 1 - e; K3 calls it before lean_scores, whose masked tiles lie on the last warps).
+template <int NT, bool Q, bool X, bool REV = false, class AT>
 MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), R = a.R, lgR = a.lgR, LR = Lc * R;
   const bool hz = X && a.has_z, ro = a.reduce_o;
   const int g_k = LR, g_q = g_k + (Q ? LR : 0), g_v = g_q + Lc, g_z = g_v + (hz ? Lc : 0),
             g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (a.angles.p ? Lc : 0);
-  for (int e = mb_tid(); e < g_a; e += NT) {
+  for (int e = REV ? NT - 1 - mb_tid() : mb_tid(); e < g_a; e += NT) {
     const MbView* v;
     int64_t off, stride;
     int cnt;
@@ -505,11 +506,31 @@ MB_DEV void lean_mma(float (&acc)[2][4], const SplitTile& A, int m0, const Split
   }
 }
 
+// The j-th score tile (row block m, column block n of nt x nt) in lean_scores' order: the lower
+// triangle (n <= m) row by row, then the upper one row by row. With R <= 16 the upper tiles are
+// exactly the ones masked to zero (no mma), so the live tiles go to the first warps: at nt = 4
+// and 16 warps, warps 0-9, i.e. 3, 3, 2, 2 live tiles on the four schedulers (warp w issues on
+// scheduler w % 4) instead of 4, 3, 2, 1 in row-major order, where scheduler 0's tensor pipe
+// held every other warp at the barrier after the scores. A permutation of the tiles: each is
+// computed and stored as before (the same bits).
+MB_DEV void lean_score_tile(int j, int nt, int& m, int& n) {
+  const int lower = nt * (nt + 1) / 2;
+  m = 0;
+  if (j < lower) {
+    while (j > m) j -= ++m;  // row m holds m + 1 tiles
+    n = j;
+  } else {
+    j -= lower;
+    while (j >= nt - 1 - m) j -= nt - 1 - m, ++m;  // row m holds nt - 1 - m tiles
+    n = m + 1 + j;
+  }
+}
+
 // Sc = mask(Qh Kh^T) (split, into tt.Sc) and the qk_dot output of chunk c.
 template <int NT, class AT>
 MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                         const MbCta& k, int c, float Dv) {
-  const int T = a.Tb, C = a.C, lgR = a.lgR, Rm = a.R - 1, nt = T >> 4, lgnt = mb_lg2(nt);
+  const int T = a.Tb, C = a.C, lgR = a.lgR, Rm = a.R - 1, nt = T >> 4;
   const int N = a.N, ldT = tt.ldT;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
@@ -518,8 +539,10 @@ MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTil
   const int64_t obase = k.b * o.s[0] + k.h * o.s[1] + static_cast<int64_t>(s0) * os2;
   const float* W = sm + L.W;
   const float* gamma = sm + L.gamma;
-  for (int tile = mb_tid() >> 5; tile < nt * nt; tile += NT / 32) {
-    const int m0 = (tile >> lgnt) << 4, n0 = (tile & (nt - 1)) << 4;
+  for (int j = mb_tid() >> 5; j < nt * nt; j += NT / 32) {
+    int tm, tn;
+    lean_score_tile(j, nt, tm, tn);
+    const int m0 = tm << 4, n0 = tn << 4;
     float acc[2][4];
     zero_acc(acc);
     // Key steps all after the query steps: the tile is masked to zero.
@@ -1073,7 +1096,7 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     // The next chunk's rows on their way to L2 while this chunk's products run (not with 8
     // state tiles per warp: there its registers spilled).
     if constexpr (ST < 8)
-      if (a.prefetch && c + 1 < c1) lean_prefetch_chunk<NT, true, true>(a, k, c + 1);
+      if (a.prefetch && c + 1 < c1) lean_prefetch_chunk<NT, true, true, true>(a, k, c + 1);
     lean_scores<NT>(a, L, sm, tt, k, c, Dv);
     mb_sync();
     lean_y<NT>(a, L, sm, tt);
