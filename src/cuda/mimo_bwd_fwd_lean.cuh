@@ -187,6 +187,59 @@ MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const M
   });
 }
 
+// Chunk c's scalars (chunk_scalars) and cos / sin table (lean_chunk_angles) in two halves: the
+// global loads into registers (lean_chunk_pre_load), issued a phase ahead, and the rest
+// (lean_chunk_pre_store) after the barrier that follows their last reads. Why: K3 built them
+// after lean_y's barrier, where each warp then waited on its angle load (and warp 0 first on
+// the scalar loads, then on its angle load: two memory latencies in series) before the
+// epilogue, and every other warp waited for warp 0 at the epilogue's exchange barrier (its
+// largest barrier stall, ncu). The same loads and expressions: the same bits. The table's
+// loads move only with C A <= NT (one element per thread; every shape of SPEC.md's grid);
+// otherwise lean_chunk_angles runs whole in the store half.
+struct LeanChunkPre {
+  ChunkScalarsRaw sc;
+  float ang;  // element mb_tid() of chunk c's angles [C][A] (0 past the sequence)
+};
+
+template <int NT, class AT>
+MB_DEV LeanChunkPre lean_chunk_pre_load(const AT& a, const MbLayout& L, const MbCta& k, int c) {
+  LeanChunkPre r;
+  r.sc = a.scal_f32 ? chunk_scalars_load<2>(a, k, c) : chunk_scalars_load<-1>(a, k, c);
+  r.ang = 0.f;
+  const int A = a.A, CA = a.C * A, e = mb_tid();
+  if (L.ang < 0 || CA > NT || e >= CA) return r;
+  const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
+  const bool pow2 = (A & (A - 1)) == 0;
+  const int t = pow2 ? e >> mb_lg2(A) : e / A, n = e - t * A;
+  if (t >= Lc) return r;
+  const MbView& v = a.angles;
+  const int64_t off = k.b * v.s[0] + static_cast<int64_t>(s0 + t) * v.s[1] + k.h * v.s[2] + n * v.s[3];
+  with_dt(v.dt, [&](auto D) { r.ang = mb_ldt<decltype(D)::value>(v.p, off, v.dt); });
+  return r;
+}
+
+template <int NT, class AT>
+MB_DEV void lean_chunk_pre_store(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c,
+                                 const LeanChunkPre& r) {
+  if (a.scal_f32) chunk_scalars_store<2>(a, L, sm, c, r.sc);
+  else chunk_scalars_store<-1>(a, L, sm, c, r.sc);
+  if (L.ang < 0) return;
+  const int A = a.A, CA = a.C * A, e = mb_tid();
+  if (CA > NT) {
+    lean_chunk_angles<NT>(a, L, sm, k, c);
+    return;
+  }
+  if (e >= CA) return;
+  const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
+  const bool pow2 = (A & (A - 1)) == 0;
+  const int t = pow2 ? e >> mb_lg2(A) : e / A;
+  float sn = 0.f, cs = 1.f;
+  if (t < Lc) sincosf(r.ang, &sn, &cs);
+  float* cst = sm + L.ang;
+  cst[e] = cs;
+  cst[CA + e] = sn;
+}
+
 // Asks L2 for the rows chunk c's builds will read: k (and with Q, q) [C R rows of N], v [C of
 // P], with X the gate's z [C of P] and dout [C, or C R, of P], the angles [C of A]. Called one
 // chunk ahead (why: every chunk's builds otherwise waited on HBM for their rows before any
@@ -1093,6 +1146,11 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
     lean_build_x<NT, true>(a, L, sm, tt, k, c);
     mb_sync();
+    // Chunk c + 1's scalar and angle loads in flight across the scores and lean_y (see
+    // lean_chunk_pre_load; not with 8 state tiles per warp, at their register limit).
+    [[maybe_unused]] LeanChunkPre pre{};
+    if constexpr (ST < 8)
+      if (c + 1 < c1) pre = lean_chunk_pre_load<NT>(a, L, k, c + 1);
     // The next chunk's rows on their way to L2 while this chunk's products run (not with 8
     // state tiles per warp: there its registers spilled).
     if constexpr (ST < 8)
@@ -1103,8 +1161,12 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     mb_sync();
     // The norm statistics and the epilogue read none of the scalar regions nor the table.
     if (c + 1 < c1) {
-      chunk_scalars(a, L, sm, k, c + 1);
-      lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+      if constexpr (ST < 8) {
+        lean_chunk_pre_store<NT>(a, L, sm, k, c + 1, pre);
+      } else {
+        chunk_scalars(a, L, sm, k, c + 1);
+        lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+      }
     }
     if (a.has_norm) lean_norm_stats<NT, (ST < 8)>(a, L, sm, Lc);
     lean_epilogue<NT, (ST < 8)>(a, L, sm, k, s0, Lc);
