@@ -724,6 +724,47 @@ MB_DEV void lean_norm_stats(const AT& a, const MbLayout& L, float* sm, int Lc) {
   mb_sync();
 }
 
+// Where the epilogue's per-thread partials are exchanged (ered[kind][t0][r][p], kind slots
+// 0 .. 2 for mimo_o, the gate, the norm), and whether their sums wait for the next chunk.
+// Deferred (lean_defer_sums: the Sc planes hold the slots of the kinds that can be on): in the
+// Sc planes, which are dead from the end of lean_y until the next chunk's scores write them.
+// The epilogue then has no barrier of its own: each warp goes on to its state update when its
+// steps are done, and the sums run after the next chunk's first barrier (lean_epilogue_sums),
+// or after the segment's last chunk. Why: at the exchange barrier every warp waited for the
+// slowest one's epilogue (K3's largest barrier stall, ncu). Otherwise: in L.ered, summed after
+// a barrier in the epilogue. The same sums in the same order either way (the same bits).
+template <int NT, class AT>
+MB_DEV bool lean_defer_sums(const AT& a) {
+  const int slots = a.has_norm ? 3 : a.has_z ? 2 : 1;
+  const int T = a.C * a.R;  // = Tb on the lean path
+  return T * (T + 8) >= slots * a.R * NT;  // the Sc planes: T rows of T + 8 bf16 pairs
+}
+
+template <int NT, class AT>
+MB_DEV float* lean_ered(const AT& a, const MbLayout& L, float* sm) {
+  return sm + (lean_defer_sums<NT>(a) ? L.ScT : L.ered);
+}
+
+// The exchange's sums of a chunk into the Kahan partials: accumulator (kind, q) adds the sum
+// over t0 (in t0 order) of the chunk's partials, as the epilogue's own sums do; the (kind, q)
+// tasks are spread over the threads.
+template <int NT, class AT>
+MB_DEV void lean_epilogue_sums(const AT& a, const MbLayout& L, float* sm) {
+  const bool ro = a.reduce_o, hz = a.has_z, hn = a.has_norm;
+  if (!ro && !hz) return;  // as lean_epilogue: nothing was exchanged
+  const int RP = a.R * a.P, lgRP = a.lgR + a.lgP, tstep = NT >> a.lgP;
+  const float* ex = lean_ered<NT>(a, L, sm);
+  for (int u = mb_tid(); u < kParts * RP; u += NT) {
+    const int kind = u >> lgRP, q = u & (RP - 1);
+    if (!(kind == 0 ? ro : kind == 1 ? hz : hn)) continue;
+    const float* e = ex + kind * tstep * RP + q;
+    float v = 0.f;
+    for (int j = 0; j < tstep; ++j) v += e[j * RP];
+    float* acc = sm + L.acc + kind * 2 * RP + q;
+    kahan_add(acc, acc + RP, v);
+  }
+}
+
 // dz, dout_pre_rms and the chunk's contributions to dmimo_o / dmimo_z / dnorm_weight, in one
 // pass: thread (p, t0) handles column p of steps t0, t0 + NT/P, ... (every rank), sums its
 // steps' contributions per rank in registers, and the threads of one column then add theirs
@@ -782,7 +823,7 @@ MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbC
   }
   // Exchange: ered[kind][t0][r][p], then the first row of threads adds them in t0 order. A kind
   // that is off (no mimo_o, gate or norm) has only zero contributions and zero partials: skipped.
-  float* ex = sm + L.ered;
+  float* ex = lean_ered<NT>(a, L, sm);
   const int RP = R * P;
   const bool on[kParts] = {ro, hz, hn};
 #pragma unroll
@@ -791,6 +832,7 @@ MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbC
     if (hz) ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
     if (hn) ex[(2 * tstep + t0) * RP + r * P + p] = sn[r];
   }
+  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier (lean_epilogue_sums)
   mb_sync();
   for (int q = mb_tid(); q < RP; q += NT) {
 #pragma unroll
@@ -848,13 +890,14 @@ MB_DEV void lean_epilogue_gate_r(const AT& a, const MbLayout& L, float* sm, cons
     st_t<1>(oz.p, zo, dzs);
   }
   // The generic exchange and sums of the two kinds that are on (mimo_o, gate), in its order.
-  float* ex = sm + L.ered;
+  float* ex = lean_ered<NT>(a, L, sm);
   const int RP = R * P;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
     ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
   }
+  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier (lean_epilogue_sums)
   mb_sync();
   for (int q = mb_tid(); q < RP; q += NT) {
 #pragma unroll
@@ -1134,11 +1177,15 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
   // a barrier of their own (the second barrier per chunk before the tile builds).
   chunk_scalars(a, L, sm, k, c0);
   lean_chunk_angles<NT>(a, L, sm, k, c0);
+  const bool defer = lean_defer_sums<NT>(a);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
+    // The previous chunk's epilogue partials (in the Sc planes: nothing here writes them before
+    // the next barrier).
+    if (defer && c > c0) lean_epilogue_sums<NT>(a, L, sm);
     // Reversed (see lean_chunk_weights) but with 8 state tiles per warp: <512, 8> sits at its
     // 128-register limit and spilled with it.
     lean_chunk_weights<NT, (ST < 8)>(a, L, sm, k, c);
@@ -1179,6 +1226,10 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     }
   }
   mb_sync();
+  if (defer && c1 > c0) {  // the last chunk's
+    lean_epilogue_sums<NT>(a, L, sm);
+    mb_sync();
+  }
   write_partials<NT>(a, L, sm, k, seg, Ppt);
 }
 
