@@ -290,13 +290,20 @@ struct MbCta {
 // Per-step scalars of chunk c (threads t < C): da_cs (padded with the last valid value),
 // exp(da_cs), gamma, trap_scale, the state-update weight tscale exp(da_cs_rev) (rebuilt from
 // da_cs in a partial chunk) and, in misc[0..1], the chunk decay exp(da_last) and da_last.
+// In two halves, chunk_scalars_load (the global loads, raw bits) and chunk_scalars_store (the
+// rest), so that a caller can issue the loads early and keep them in flight across a barrier
+// (the lean K3); chunk_scalars_t runs both at once.
+struct ChunkScalarsRaw {
+  uint32_t last, dav, dtv, trv, dtn, trn, rev;
+};
+
 template <int DT>
-MB_DEV void chunk_scalars_t(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
+MB_DEV ChunkScalarsRaw chunk_scalars_load(const MbArgs& a, const MbCta& k, int c) {
+  ChunkScalarsRaw u{};
   const int t = mb_tid();
-  if (t >= a.C) return;
+  if (t >= a.C) return u;
   const int s0 = c * a.C;
   const int Lc = min(a.C, a.S - s0);
-  const bool partial = Lc < a.C;
   const int gi = s0 + t;
   const bool valid = t < Lc;
   // All loads first, at clamped positions (one latency, not a chain of them).
@@ -304,14 +311,26 @@ MB_DEV void chunk_scalars_t(const MbArgs& a, const MbLayout& L, float* sm, const
   auto at = [&](const MbView& v, int pos) {
     return rt_ld_raw<DT>(v.p, k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(pos) * v.s[2], v.dt);
   };
-  const uint32_t u_last = at(a.da_cs, gl), u_dav = at(a.da_cs, gv);
-  const uint32_t u_dtv = at(a.dt, gv), u_trv = at(a.trap, gv), u_dtn = at(a.dt, gn),
-                 u_trn = at(a.trap, gn);
-  const uint32_t u_rev = at(a.da_cs_rev, gv);
-  const float da_last = rt_raw_f<DT>(u_last, a.da_cs.dt), dav = rt_raw_f<DT>(u_dav, a.da_cs.dt);
-  const float dtv = rt_raw_f<DT>(u_dtv, a.dt.dt), trv = rt_raw_f<DT>(u_trv, a.trap.dt);
-  const float dtn = rt_raw_f<DT>(u_dtn, a.dt.dt), trn = rt_raw_f<DT>(u_trn, a.trap.dt);
-  const float rev_in = rt_raw_f<DT>(u_rev, a.da_cs_rev.dt);
+  u.last = at(a.da_cs, gl), u.dav = at(a.da_cs, gv);
+  u.dtv = at(a.dt, gv), u.trv = at(a.trap, gv), u.dtn = at(a.dt, gn), u.trn = at(a.trap, gn);
+  u.rev = at(a.da_cs_rev, gv);
+  return u;
+}
+
+template <int DT>
+MB_DEV void chunk_scalars_store(const MbArgs& a, const MbLayout& L, float* sm, int c,
+                                const ChunkScalarsRaw& u) {
+  const int t = mb_tid();
+  if (t >= a.C) return;
+  const int s0 = c * a.C;
+  const int Lc = min(a.C, a.S - s0);
+  const bool partial = Lc < a.C;
+  const int gi = s0 + t;
+  const bool valid = t < Lc;
+  const float da_last = rt_raw_f<DT>(u.last, a.da_cs.dt), dav = rt_raw_f<DT>(u.dav, a.da_cs.dt);
+  const float dtv = rt_raw_f<DT>(u.dtv, a.dt.dt), trv = rt_raw_f<DT>(u.trv, a.trap.dt);
+  const float dtn = rt_raw_f<DT>(u.dtn, a.dt.dt), trn = rt_raw_f<DT>(u.trn, a.trap.dt);
+  const float rev_in = rt_raw_f<DT>(u.rev, a.da_cs_rev.dt);
   sm[L.da + t] = dav;
   sm[L.expda + t] = expf(dav);
   float gam = 0.f, ts = 0.f, w = 0.f;
@@ -330,6 +349,11 @@ MB_DEV void chunk_scalars_t(const MbArgs& a, const MbLayout& L, float* sm, const
     sm[L.misc] = expf(da_last);
     sm[L.misc + 1] = da_last;
   }
+}
+
+template <int DT>
+MB_DEV void chunk_scalars_t(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
+  chunk_scalars_store<DT>(a, L, sm, c, chunk_scalars_load<DT>(a, k, c));
 }
 
 MB_DEV void chunk_scalars(const MbArgs& a, const MbLayout& L, float* sm, const MbCta& k, int c) {

@@ -187,19 +187,73 @@ MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const M
   });
 }
 
+// Chunk c's scalars (chunk_scalars) and cos / sin table (lean_chunk_angles) in two halves: the
+// global loads into registers (lean_chunk_pre_load), issued a phase ahead, and the rest
+// (lean_chunk_pre_store) after the barrier that follows their last reads. Why: K3 built them
+// after lean_y's barrier, where each warp then waited on its angle load (and warp 0 first on
+// the scalar loads, then on its angle load: two memory latencies in series) before the
+// epilogue, and every other warp waited for warp 0 at the epilogue's exchange barrier (its
+// largest barrier stall, ncu). The same loads and expressions: the same bits. The table's
+// loads move only with C A <= NT (one element per thread; every shape of SPEC.md's grid);
+// otherwise lean_chunk_angles runs whole in the store half.
+struct LeanChunkPre {
+  ChunkScalarsRaw sc;
+  float ang;  // element mb_tid() of chunk c's angles [C][A] (0 past the sequence)
+};
+
+template <int NT, class AT>
+MB_DEV LeanChunkPre lean_chunk_pre_load(const AT& a, const MbLayout& L, const MbCta& k, int c) {
+  LeanChunkPre r;
+  r.sc = a.scal_f32 ? chunk_scalars_load<2>(a, k, c) : chunk_scalars_load<-1>(a, k, c);
+  r.ang = 0.f;
+  const int A = a.A, CA = a.C * A, e = mb_tid();
+  if (L.ang < 0 || CA > NT || e >= CA) return r;
+  const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
+  const bool pow2 = (A & (A - 1)) == 0;
+  const int t = pow2 ? e >> mb_lg2(A) : e / A, n = e - t * A;
+  if (t >= Lc) return r;
+  const MbView& v = a.angles;
+  const int64_t off = k.b * v.s[0] + static_cast<int64_t>(s0 + t) * v.s[1] + k.h * v.s[2] + n * v.s[3];
+  with_dt(v.dt, [&](auto D) { r.ang = mb_ldt<decltype(D)::value>(v.p, off, v.dt); });
+  return r;
+}
+
+template <int NT, class AT>
+MB_DEV void lean_chunk_pre_store(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c,
+                                 const LeanChunkPre& r) {
+  if (a.scal_f32) chunk_scalars_store<2>(a, L, sm, c, r.sc);
+  else chunk_scalars_store<-1>(a, L, sm, c, r.sc);
+  if (L.ang < 0) return;
+  const int A = a.A, CA = a.C * A, e = mb_tid();
+  if (CA > NT) {
+    lean_chunk_angles<NT>(a, L, sm, k, c);
+    return;
+  }
+  if (e >= CA) return;
+  const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
+  const bool pow2 = (A & (A - 1)) == 0;
+  const int t = pow2 ? e >> mb_lg2(A) : e / A;
+  float sn = 0.f, cs = 1.f;
+  if (t < Lc) sincosf(r.ang, &sn, &cs);
+  float* cst = sm + L.ang;
+  cst[e] = cs;
+  cst[CA + e] = sn;
+}
+
 // Asks L2 for the rows chunk c's builds will read: k (and with Q, q) [C R rows of N], v [C of
 // P], with X the gate's z [C of P] and dout [C, or C R, of P], the angles [C of A]. Called one
 // chunk ahead (why: every chunk's builds otherwise waited on HBM for their rows before any
 // product could start; the second pass's K3 gained 4-7% from the same hint). One row per task;
 // a row's lines by its 128-byte spans (by elements where the columns are strided). Rows past
-// the sequence are not touched.
-template <int NT, bool Q, bool X, class AT>
+// the sequence are not touched. REV: the threads from the last down (task e on thread
+// NT - 1 - e; K3 calls it before lean_scores, whose masked tiles lie on the last warps).
+template <int NT, bool Q, bool X, bool REV = false, class AT>
 MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), R = a.R, lgR = a.lgR, LR = Lc * R;
   const bool hz = X && a.has_z, ro = a.reduce_o;
   const int g_k = LR, g_q = g_k + (Q ? LR : 0), g_v = g_q + Lc, g_z = g_v + (hz ? Lc : 0),
             g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (a.angles.p ? Lc : 0);
-  for (int e = mb_tid(); e < g_a; e += NT) {
+  for (int e = REV ? NT - 1 - mb_tid() : mb_tid(); e < g_a; e += NT) {
     const MbView* v;
     int64_t off, stride;
     int cnt;
@@ -505,11 +559,31 @@ MB_DEV void lean_mma(float (&acc)[2][4], const SplitTile& A, int m0, const Split
   }
 }
 
+// The j-th score tile (row block m, column block n of nt x nt) in lean_scores' order: the lower
+// triangle (n <= m) row by row, then the upper one row by row. With R <= 16 the upper tiles are
+// exactly the ones masked to zero (no mma), so the live tiles go to the first warps: at nt = 4
+// and 16 warps, warps 0-9, i.e. 3, 3, 2, 2 live tiles on the four schedulers (warp w issues on
+// scheduler w % 4) instead of 4, 3, 2, 1 in row-major order, where scheduler 0's tensor pipe
+// held every other warp at the barrier after the scores. A permutation of the tiles: each is
+// computed and stored as before (the same bits).
+MB_DEV void lean_score_tile(int j, int nt, int& m, int& n) {
+  const int lower = nt * (nt + 1) / 2;
+  m = 0;
+  if (j < lower) {
+    while (j > m) j -= ++m;  // row m holds m + 1 tiles
+    n = j;
+  } else {
+    j -= lower;
+    while (j >= nt - 1 - m) j -= nt - 1 - m, ++m;  // row m holds nt - 1 - m tiles
+    n = m + 1 + j;
+  }
+}
+
 // Sc = mask(Qh Kh^T) (split, into tt.Sc) and the qk_dot output of chunk c.
 template <int NT, class AT>
 MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                         const MbCta& k, int c, float Dv) {
-  const int T = a.Tb, C = a.C, lgR = a.lgR, Rm = a.R - 1, nt = T >> 4, lgnt = mb_lg2(nt);
+  const int T = a.Tb, C = a.C, lgR = a.lgR, Rm = a.R - 1, nt = T >> 4;
   const int N = a.N, ldT = tt.ldT;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
@@ -518,8 +592,10 @@ MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTil
   const int64_t obase = k.b * o.s[0] + k.h * o.s[1] + static_cast<int64_t>(s0) * os2;
   const float* W = sm + L.W;
   const float* gamma = sm + L.gamma;
-  for (int tile = mb_tid() >> 5; tile < nt * nt; tile += NT / 32) {
-    const int m0 = (tile >> lgnt) << 4, n0 = (tile & (nt - 1)) << 4;
+  for (int j = mb_tid() >> 5; j < nt * nt; j += NT / 32) {
+    int tm, tn;
+    lean_score_tile(j, nt, tm, tn);
+    const int m0 = tm << 4, n0 = tn << 4;
     float acc[2][4];
     zero_acc(acc);
     // Key steps all after the query steps: the tile is masked to zero.
@@ -648,6 +724,47 @@ MB_DEV void lean_norm_stats(const AT& a, const MbLayout& L, float* sm, int Lc) {
   mb_sync();
 }
 
+// Where the epilogue's per-thread partials are exchanged (ered[kind][t0][r][p], kind slots
+// 0 .. 2 for mimo_o, the gate, the norm), and whether their sums wait for the next chunk.
+// Deferred (lean_defer_sums: the Sc planes hold the slots of the kinds that can be on): in the
+// Sc planes, which are dead from the end of lean_y until the next chunk's scores write them.
+// The epilogue then has no barrier of its own: each warp goes on to its state update when its
+// steps are done, and the sums run after the next chunk's first barrier (lean_epilogue_sums),
+// or after the segment's last chunk. Why: at the exchange barrier every warp waited for the
+// slowest one's epilogue (K3's largest barrier stall, ncu). Otherwise: in L.ered, summed after
+// a barrier in the epilogue. The same sums in the same order either way (the same bits).
+template <int NT, class AT>
+MB_DEV bool lean_defer_sums(const AT& a) {
+  const int slots = a.has_norm ? 3 : a.has_z ? 2 : 1;
+  const int T = a.C * a.R;  // = Tb on the lean path
+  return T * (T + 8) >= slots * a.R * NT;  // the Sc planes: T rows of T + 8 bf16 pairs
+}
+
+template <int NT, class AT>
+MB_DEV float* lean_ered(const AT& a, const MbLayout& L, float* sm) {
+  return sm + (lean_defer_sums<NT>(a) ? L.ScT : L.ered);
+}
+
+// The exchange's sums of a chunk into the Kahan partials: accumulator (kind, q) adds the sum
+// over t0 (in t0 order) of the chunk's partials, as the epilogue's own sums do; the (kind, q)
+// tasks are spread over the threads.
+template <int NT, class AT>
+MB_DEV void lean_epilogue_sums(const AT& a, const MbLayout& L, float* sm) {
+  const bool ro = a.reduce_o, hz = a.has_z, hn = a.has_norm;
+  if (!ro && !hz) return;  // as lean_epilogue: nothing was exchanged
+  const int RP = a.R * a.P, lgRP = a.lgR + a.lgP, tstep = NT >> a.lgP;
+  const float* ex = lean_ered<NT>(a, L, sm);
+  for (int u = mb_tid(); u < kParts * RP; u += NT) {
+    const int kind = u >> lgRP, q = u & (RP - 1);
+    if (!(kind == 0 ? ro : kind == 1 ? hz : hn)) continue;
+    const float* e = ex + kind * tstep * RP + q;
+    float v = 0.f;
+    for (int j = 0; j < tstep; ++j) v += e[j * RP];
+    float* acc = sm + L.acc + kind * 2 * RP + q;
+    kahan_add(acc, acc + RP, v);
+  }
+}
+
 // dz, dout_pre_rms and the chunk's contributions to dmimo_o / dmimo_z / dnorm_weight, in one
 // pass: thread (p, t0) handles column p of steps t0, t0 + NT/P, ... (every rank), sums its
 // steps' contributions per rank in registers, and the threads of one column then add theirs
@@ -706,7 +823,7 @@ MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbC
   }
   // Exchange: ered[kind][t0][r][p], then the first row of threads adds them in t0 order. A kind
   // that is off (no mimo_o, gate or norm) has only zero contributions and zero partials: skipped.
-  float* ex = sm + L.ered;
+  float* ex = lean_ered<NT>(a, L, sm);
   const int RP = R * P;
   const bool on[kParts] = {ro, hz, hn};
 #pragma unroll
@@ -715,6 +832,7 @@ MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbC
     if (hz) ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
     if (hn) ex[(2 * tstep + t0) * RP + r * P + p] = sn[r];
   }
+  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier (lean_epilogue_sums)
   mb_sync();
   for (int q = mb_tid(); q < RP; q += NT) {
 #pragma unroll
@@ -772,13 +890,14 @@ MB_DEV void lean_epilogue_gate_r(const AT& a, const MbLayout& L, float* sm, cons
     st_t<1>(oz.p, zo, dzs);
   }
   // The generic exchange and sums of the two kinds that are on (mimo_o, gate), in its order.
-  float* ex = sm + L.ered;
+  float* ex = lean_ered<NT>(a, L, sm);
   const int RP = R * P;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
     ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
   }
+  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier (lean_epilogue_sums)
   mb_sync();
   for (int q = mb_tid(); q < RP; q += NT) {
 #pragma unroll
@@ -1058,11 +1177,15 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
   // a barrier of their own (the second barrier per chunk before the tile builds).
   chunk_scalars(a, L, sm, k, c0);
   lean_chunk_angles<NT>(a, L, sm, k, c0);
+  const bool defer = lean_defer_sums<NT>(a);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
+    // The previous chunk's epilogue partials (in the Sc planes: nothing here writes them before
+    // the next barrier).
+    if (defer && c > c0) lean_epilogue_sums<NT>(a, L, sm);
     // Reversed (see lean_chunk_weights) but with 8 state tiles per warp: <512, 8> sits at its
     // 128-register limit and spilled with it.
     lean_chunk_weights<NT, (ST < 8)>(a, L, sm, k, c);
@@ -1070,18 +1193,27 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
     lean_build_x<NT, true>(a, L, sm, tt, k, c);
     mb_sync();
+    // Chunk c + 1's scalar and angle loads in flight across the scores and lean_y (see
+    // lean_chunk_pre_load; not with 8 state tiles per warp, at their register limit).
+    [[maybe_unused]] LeanChunkPre pre{};
+    if constexpr (ST < 8)
+      if (c + 1 < c1) pre = lean_chunk_pre_load<NT>(a, L, k, c + 1);
     // The next chunk's rows on their way to L2 while this chunk's products run (not with 8
     // state tiles per warp: there its registers spilled).
     if constexpr (ST < 8)
-      if (a.prefetch && c + 1 < c1) lean_prefetch_chunk<NT, true, true>(a, k, c + 1);
+      if (a.prefetch && c + 1 < c1) lean_prefetch_chunk<NT, true, true, true>(a, k, c + 1);
     lean_scores<NT>(a, L, sm, tt, k, c, Dv);
     mb_sync();
     lean_y<NT>(a, L, sm, tt);
     mb_sync();
     // The norm statistics and the epilogue read none of the scalar regions nor the table.
     if (c + 1 < c1) {
-      chunk_scalars(a, L, sm, k, c + 1);
-      lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+      if constexpr (ST < 8) {
+        lean_chunk_pre_store<NT>(a, L, sm, k, c + 1, pre);
+      } else {
+        chunk_scalars(a, L, sm, k, c + 1);
+        lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+      }
     }
     if (a.has_norm) lean_norm_stats<NT, (ST < 8)>(a, L, sm, Lc);
     lean_epilogue<NT, (ST < 8)>(a, L, sm, k, s0, Lc);
@@ -1094,6 +1226,10 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     }
   }
   mb_sync();
+  if (defer && c1 > c0) {  // the last chunk's
+    lean_epilogue_sums<NT>(a, L, sm);
+    mb_sync();
+  }
   write_partials<NT>(a, L, sm, k, seg, Ppt);
 }
 

@@ -394,6 +394,19 @@ TEST(MimoBwdFwdEmulated, GateNoNormRanks) {
   }
 }
 
+// The benchmark shape's N, P, R, C (reduce-O, the gate, no norm, bf16 dz; 512 threads, two
+// state tiles per warp) on a short sequence with a partial last chunk (37 = 2 x 16 + 5): the
+// lean K3's deferred epilogue sums (lean_defer_sums: its Sc planes hold the exchange) and its
+// early scalar and angle loads (C A = NT), in one segment of three chunks (a one-SM device)
+// and in the plan's segments.
+TEST(MimoBwdFwdEmulated, ReferenceShapeShortSequence) {
+  for (int sms : {1, 132}) {
+    Shape s{1, 37, 1, 1, 128, 64, 4, 16, 4, true, true, true, false, 0, kF, kBF, 512};
+    s.sms = sms, s.want_st = 2;
+    check_case(s, 71 + sms);
+  }
+}
+
 }  // namespace
 
 #endif  // MAMBA3_GOLDEN_CUDA
