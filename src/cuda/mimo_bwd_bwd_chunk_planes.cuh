@@ -305,6 +305,30 @@ BB_DEV void inter_chunk_tile(float (&acc)[2][4], const mimo::SplitTile& A, const
   scale_rows(acc, m0, lgR, f);
 }
 
+// Two sums over the block of NT threads (NT a multiple of 32, NT / 32 a power of two <= 32),
+// returned to every thread; deterministic (fixed order, no atomics): each warp adds its lanes'
+// values in a butterfly (xor 16, 8, 4, 2, 1), lane 0 stores the warp's pair in red[w] and
+// red[NW + w] (red: 2 NW floats, NW = NT / 32), one barrier, then every warp adds the NW warp
+// pairs in a butterfly (xor NW / 2, ..., 1; lane l holds warp l mod NW's): the same order, so
+// the same bits, in every lane of every warp (a butterfly's partners add the same two values).
+// Why not a shared-memory tree: one barrier instead of 2 + log2 NT (11 at 512 threads), where
+// the planes K3 spent ~8% of its stall samples. Does not end with a barrier: red must not be
+// rewritten before the caller's next one.
+template <int NT>
+BB_DEV float2 block_sum2(float v0, float v1, float* red) {
+  constexpr int NW = NT / 32;
+  static_assert(NT % 32 == 0 && NW <= 32 && (NW & (NW - 1)) == 0, "NT / 32: a power of two <= 32");
+  const int tid = bb_tid(), lane = tid & 31;
+  BB_UNROLL
+  for (int m = 16; m > 0; m >>= 1) v0 += mimo::mb_shfl_xor(v0, m), v1 += mimo::mb_shfl_xor(v1, m);
+  if (lane == 0) red[tid >> 5] = v0, red[NW + (tid >> 5)] = v1;
+  bb_sync();
+  float t0 = red[lane & (NW - 1)], t1 = red[NW + (lane & (NW - 1))];
+  BB_UNROLL
+  for (int m = NW / 2; m > 0; m >>= 1) t0 += mimo::mb_shfl_xor(t0, m), t1 += mimo::mb_shfl_xor(t1, m);
+  return make_float2(t0, t1);
+}
+
 // Stores a 16 x 16 accumulator tile into the fp32 matrix out (row stride ld).
 BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int ld) {
   const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
@@ -984,14 +1008,15 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           return make_float2(ld(a.states, o), ld(a.states, o + ss4));
         });
     }
-    // Both block sums in one tree; its barriers also end the loads above. The DDA total is kept
-    // in shared memory (red[2 NT], past the tree) until the per-step outputs: a register live
-    // across phase 2 would cost spills there.
+    // Both block sums (DD, DDA) in one warp-shuffle reduction; its barrier also ends the loads
+    // above (phase 1 reads the planes). The DDA total is kept in shared memory (red[2 NW], past
+    // the warp partials, which are not rewritten before the next chunk) until the per-step
+    // outputs: a register live across phase 2 would cost spills there.
     {
       const float2 tot = block_sum2<NT>(dd_part, dda_part, red);
       if (tid == 0) {
         if (a.has_d) a.ws_dd[item] = tot.x;
-        red[2 * NT] = tot.y;
+        red[2 * kPlanesWarps] = tot.y;
       }
     }
     // Decays of the steps; zero past the sequence (those rows are zero, their products too).
@@ -1085,7 +1110,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       }
     });
     bb_sync();  // mc and the dS planes
-    const float dda = expf(da_last) * red[2 * NT];
+    const float dda = expf(da_last) * red[2 * kPlanesWarps];
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
       const int tile = warp + u * kPlanesWarps;

@@ -25,8 +25,9 @@
 //   increment_body and chunk_body stay for the rest (fp16 activations among them: see
 //   make_plan).
 //   K4: sums those partials over the chunks in a fixed order (compensated): DMIMO_V, DD.
-// Determinism: every reduction runs in one thread or through a fixed-shape block tree; nothing
-// depends on scheduling (no atomics), so repeated calls give identical bits.
+// Determinism: every reduction runs in one thread or through a fixed-shape block tree (shared
+// memory, or warp-shuffle butterflies); nothing depends on scheduling (no atomics), so repeated
+// calls give identical bits.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -106,8 +107,8 @@ struct PlanesLayout {
   int qh = 0, kh = 0, x = 0, g = 0, st = 0, mc = 0;
   int kq = 0, xg = 0;  // fp32 [T][T]
   // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
-  // [2 kPlanesThreads + 1] (block_sum2's tree, then the DDA total) and three per-row partial
-  // sums [T][N / 16][3].
+  // [2 kPlanesWarps + 1] (block_sum2's per-warp partials, then the DDA total) and three
+  // per-row partial sums [T][N / 16][3].
   int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0,
       W = 0;  // + exp(segsum) [C][C] (fp32)
   // q_bias, k_bias of the chunk's head [2][R][N] (fp32), staged once per chunk for phases 0
@@ -152,7 +153,7 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, in
   L.ts = take(4 * C);
   L.gam = take(4 * C);
   L.qk = take(4 * C * R * R);
-  L.red = take(4 * (2 * kPlanesThreads + 1));  // block_sum2's tree and the DDA total
+  L.red = take(4 * (2 * kPlanesWarps + 1));  // block_sum2's warp partials and the DDA total
   L.part = take(4 * 3 * T * (N / 16));
   L.W = take(4 * C * C);
   L.qb = take(4 * 2 * R * N);
@@ -299,22 +300,6 @@ BB_DEV float block_sum(float v, float* red) {
     bb_sync();
   }
   const float total = red[0];
-  bb_sync();
-  return total;
-}
-
-// Two block sums in one tree (the same fixed order per value as block_sum, so the same bits;
-// half the barriers of two calls). red: 2 NT floats. Ends with a barrier.
-template <int NT>
-BB_DEV float2 block_sum2(float v0, float v1, float* red) {
-  const int tid = bb_tid();
-  red[tid] = v0, red[NT + tid] = v1;
-  bb_sync();
-  for (int s = NT / 2; s > 0; s >>= 1) {
-    if (tid < s) red[tid] += red[tid + s], red[NT + tid] += red[NT + tid + s];
-    bb_sync();
-  }
-  const float2 total = make_float2(red[0], red[NT]);
   bb_sync();
   return total;
 }
