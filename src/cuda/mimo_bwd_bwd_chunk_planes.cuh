@@ -15,10 +15,11 @@
 // accesses: a copy per dtype there only adds code, and K3 is large for the instruction cache.
 //
 // One CTA of kPlanesThreads (16 warps) per SM, grid-stride over the (b, h, chunk) items (the
-// next item's inputs are prefetched to L2 during this one's phase 3); T = C R rows (zero past
-// the sequence).
-//   phase 0  per-step scalars; planes qh, kh [T][N] (biased, rotated), x, g = dPhiO [T][P],
-//            st = states[c] [N][P]; the chunk's DD partial (sum g x, from the fp32 values)
+// next item's inputs are prefetched to L2 during this one's phase 3, and its per-step inputs,
+// biases and (sin, cos) table staged in shared memory after this one's DQ / DK loop:
+// stage_chunk); T = C R rows (zero past the sequence).
+//   phase 0  planes qh, kh [T][N] (biased, rotated), x, g = dPhiO [T][P], st = states[c]
+//            [N][P]; the chunk's DD partial (sum g x, from the fp32 values); per-step decays
 //   phase 1  KQ = kh qh^T, XG = x g^T (fp32 [T][T])
 //   phase 2  by tile ownership (the warp that computes an inter-chunk tile in registers goes on
 //            accumulating the intra-chunk product into it, so SG, SX and kh dS are never
@@ -513,7 +514,7 @@ struct RotSrc {
 // by scale[i] (nullptr: unscaled), one task per step and column pair (n, n + 1), n even < half,
 // with its rotation partners (half + n, half + n + 1), over the R ranks: rows i R + r of each
 // source's planes (zero past the sequence). The sources of a task share its sin / cos (K1: q
-// only; K3 uses rotated_quad_rows, which also keeps the table). bias(k, r, n): (b[n], b[n + 1], b[half + n], b[half + n + 1]) of source k, rank r.
+// only; K3 uses rotated_quad_rows). bias(k, r, n): (b[n], b[n + 1], b[half + n], b[half + n + 1]) of source k, rank r.
 // Each thread keeps its column pair (NT is a multiple of half / 2), steps strided. Loads of RG
 // ranks are issued before their stores (more loads in flight per thread). Same arithmetic per
 // element as the scalar (n, half + n) tasks they replace.
@@ -617,39 +618,51 @@ BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st) {
 // rotated_pair_rows for K3 (q and k, unscaled) with four columns per task: columns n .. n + 3
 // (n a multiple of 4 < half) and their partners half + n .., over the R ranks: 8-byte bf16
 // loads (vec 2), float4 bias reads from shared memory (bias(k, r, n): source k's fp32 biases
-// at columns n .. n + 3 of rank r), 8-byte split stores, one rolled sincosf (inlined four times
-// it is code the instruction cache must hold). Same arithmetic per element as
+// at columns n .. n + 3 of rank r), 8-byte split stores. Same arithmetic per element as
 // rotated_pair_rows. Needs half % 4 == 0 (N >= 16 on the planes path: make_plan).
-template <int NT, int RG, int NX, class Bias, class AT>
-BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
-                              int grp, int s0, int L, float2* tab) {
-  const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 3, lgR = a.lgR;
-  const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 4;
+// The (sin, cos) of the angles: with a table (tab, filled for this chunk beforehand: see
+// stage_chunk) read from it, and a task is one source's (k, i, n): twice the tasks of both
+// sources together, so that all warps share them (at N128 C16, 256 two-source tasks left half
+// of K3's 16 warps without any, waiting at the next barrier for the other half). Without a
+// table (tab == nullptr: N128 R1 C64) computed here, one rolled sincosf per angle (inlined four
+// times it is code the instruction cache must hold), and a task takes both sources (one
+// sincos for both).
+template <int NT, int RG, class Bias, class AT>
+BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[2], Bias bias, int b, int h,
+                              int grp, int s0, int L, const float2* tab) {
+  const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 3, lgR = a.lgR, lgC = a.lgC;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
-  const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2] + n * as3;
-  bool quad = true;
-  BB_UNROLL
-  for (int k = 0; k < NX; ++k) quad = quad && src[k].vec == 2;
-  for (int i = tid >> lgQ; i < a.C; i += NT >> lgQ) {
+  const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
+  const bool quad = src[0].vec == 2 && src[1].vec == 2;
+  // Tasks: source k0 = e / (C N / 8) (0 without a table), step i, quad n; nk sources each.
+  const int nk = tab != nullptr ? 1 : 2;
+  for (int e = bb_tid(); e < ((2 / nk) << (lgC + lgQ)); e += NT) {
+    const int k0 = e >> (lgC + lgQ), i = (e >> lgQ) & (a.C - 1), n = (e & ((1 << lgQ) - 1)) * 4;
     float sn[4] = {0.f, 0.f, 0.f, 0.f}, cs[4] = {1.f, 1.f, 1.f, 1.f};
     if (i < L && n < A) {
-      const int64_t ao = ang0 + (s0 + i) * as1;
-      BB_NO_UNROLL
-      for (int j = 0; j < 4; ++j) {
-        float sv = 0.f, cv = 1.f;
-        if (n + j < A) {
-          bb_sincos(ld(a.angles, ao + j * as3), &sv, &cv);
-          if (tab != nullptr) tab[i * A + n + j] = make_float2(sv, cv);
+      if (tab != nullptr) {
+        BB_UNROLL
+        for (int j = 0; j < 4; ++j)
+          if (n + j < A) {
+            const float2 t = tab[i * A + n + j];
+            sn[j] = t.x, cs[j] = t.y;
+          }
+      } else {
+        const int64_t ao = ang0 + (s0 + i) * as1 + n * as3;
+        BB_NO_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          float sv = 0.f, cv = 1.f;
+          if (n + j < A) bb_sincos(ld(a.angles, ao + j * as3), &sv, &cv);
+          // (Selects, not an indexed array: that would go to local memory.)
+          sn[0] = j == 0 ? sv : sn[0], cs[0] = j == 0 ? cv : cs[0];
+          sn[1] = j == 1 ? sv : sn[1], cs[1] = j == 1 ? cv : cs[1];
+          sn[2] = j == 2 ? sv : sn[2], cs[2] = j == 2 ? cv : cs[2];
+          sn[3] = j == 3 ? sv : sn[3], cs[3] = j == 3 ? cv : cs[3];
         }
-        // (Selects, not an indexed array: that would go to local memory.)
-        sn[0] = j == 0 ? sv : sn[0], cs[0] = j == 0 ? cv : cs[0];
-        sn[1] = j == 1 ? sv : sn[1], cs[1] = j == 1 ? cv : cs[1];
-        sn[2] = j == 2 ? sv : sn[2], cs[2] = j == 2 ? cv : cs[2];
-        sn[3] = j == 3 ? sv : sn[3], cs[3] = j == 3 ? cv : cs[3];
       }
     }
-    // The loads' layout chosen per step task (a uniform branch; the sincos above stays one
-    // copy): the quad-load body (every source with vec 2) issues only its 8-byte loads; the
+    // The loads' layout chosen per task (a uniform branch; the sincos above stays one copy):
+    // the quad-load body (both sources with vec 2) issues only its 8-byte loads; the
     // fallback (other layouts, rare) takes the ranks one at a time (G 1: less code) with
     // 2-byte loads. Same values and arithmetic per element either way. The quad body's group
     // G = min(RG, R) is compile-time (one copy per G: R = 1, 2 and R >= RG), so that G divides
@@ -661,9 +674,9 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
       // Ranks: G itself where the quad body's G < RG (R = G), else the runtime R (a multiple
       // of G).
       const int nr = kQuad && G < RG ? G : R;
-      BB_UNROLL
-      for (int k = 0; k < NX; ++k) {
-        const View& x = *src[k].x;
+      BB_NO_UNROLL  // (nk = 1 or 2 sources: one copy)
+      for (int k = k0; k < k0 + nk; ++k) {
+        const View& x = k == 0 ? *src[0].x : *src[1].x;
         const unsigned short* xp = reinterpret_cast<const unsigned short*>(x.p);
         const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
         // Rank r's row offset: xrow + r sr, stepped by one add per rank.
@@ -685,7 +698,7 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
             BB_UNROLL
             for (int u = 0; u < G; ++u) x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
           }
-          const mimo::SplitTile& out = src[k].out;
+          const mimo::SplitTile out = k == 0 ? src[0].out : src[1].out;
           BB_UNROLL
           for (int u = 0; u < G; ++u) {
             const int row = (i << lgR) + r0 + u;
@@ -847,24 +860,21 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     return o >= 0 ? reinterpret_cast<float2*>(smem + o) : nullptr;
   };
 
-  const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
-  for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
-    // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
+  // The per-chunk inputs of shared memory that only the chunk's item decides: q_bias, k_bias as
+  // fp32 (read per element of qh, kh and of phase 3), the per-step scalars, the raw segsum and
+  // qk_dot, and the (sin, cos) table of the angles (where it fits). Staged for chunk `item` by
+  // the previous chunk's last phase (after the DQ / DK loop, their last reader; the barrier that
+  // ends the chunk makes them visible), or for a CTA's first chunk in a pass of its own. Why:
+  // loaded at the top of phase 0 they needed a barrier of their own before the q / k rotation,
+  // where all 16 warps waited on their global-memory latency (2.8% of K3's stall samples), and
+  // the sincos of phase 0 ran on the rotation tasks (half of the warps at N128 C16).
+  // (Raw loads first, conversions after: one memory latency per loop, not one per tensor.)
+  // Same loads and values as when they were loaded in phase 0.
+  auto stage_chunk = [&](int64_t item) {
     const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
-    const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
-    const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), TL = L * R;
+    const int b = a.div_H.div(bh), h = bh - b * a.H;
+    const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0);
     const bool partial = L < C;
-    const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
-    const int64_t NP = static_cast<int64_t>(N) * P;
-    const float* dS = a.ws_ds + item * NP;
-    // The 64-bit base offsets below are formed in the loop (or block) that uses them, not here:
-    // kept live across phase 2 they cost spills at its 128 registers.
-    // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
-    auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
-
-    // ---- phase 0: per-step inputs, planes
-    // q_bias, k_bias [R][N] as fp32 (read per element of qh, kh and of phase 3).
-    // (Raw loads first, conversions after: one memory latency per loop, not one per tensor.)
     for (int e = tid; e < (R << lgN); e += NT) {
       const int r = e >> lgN, n = e & (N - 1);
       const uint32_t uq = rt_ld_raw(a.q_bias.p, o3(a.q_bias, h, r, n), a.q_bias.dt);
@@ -884,8 +894,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       s_dt[i] = rt_raw_f(udt, a.dt.dt);
       s_lam[i] = sigmoid_f(rt_raw_f(utr, a.trap.dt));
     }
-    // The chunk's raw segsum [C][C] now, with the planes' loads (why: read per coefficient in
-    // the three builds of phase 2, each was an exposed global load); exponentiated below.
+    // The chunk's raw segsum [C][C] (why in shared memory: read per coefficient in the three
+    // builds of phase 2, each was an exposed global load); exponentiated in phase 0.
     // (Runtime-dtype loads: a few elements per thread, where a loop per dtype would only add
     // code for the instruction cache.)
     {
@@ -904,9 +914,39 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         s_qk[e] = ld(a.qk_dot, qk0 + i * a.qk_dot.s[2] + r * a.qk_dot.s[3] + r2 * a.qk_dot.s[4]);
       }
     }
-    // qh, kh: tasks per step and rotation column pair over the R ranks, q and k together (one
-    // sincos per angle, kept in tab for phase 3 where it fits); the biases from shared memory.
-    bb_sync();  // s_qbias, s_kbias
+    // tab[i A + j] = (sin, cos) of angle j of step i < L: one sincosf per angle (one per thread
+    // at N128 C16), read by phase 0's rotation and by phase 3.
+    if (float2* tab = cs_tab()) {
+      const int64_t ao = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
+      for (int e = tid; e < L * A; e += NT) {
+        const int i = e / A, j = e - i * A;
+        float sv, cv;
+        bb_sincos(ld(a.angles, ao + (s0 + i) * a.angles.s[1] + j * a.angles.s[3]), &sv, &cv);
+        tab[e] = make_float2(sv, cv);
+      }
+    }
+  };
+
+  const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
+  if (bb_bid() < total) stage_chunk(bb_bid());
+  bb_sync();
+  for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
+    // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
+    const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
+    const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
+    const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), TL = L * R;
+    const bool partial = L < C;
+    const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
+    const int64_t NP = static_cast<int64_t>(N) * P;
+    const float* dS = a.ws_ds + item * NP;
+    // The 64-bit base offsets below are formed in the loop (or block) that uses them, not here:
+    // kept live across phase 2 they cost spills at its 128 registers.
+    // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
+    auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
+
+    // ---- phase 0: planes (the per-step inputs were staged before the chunk: stage_chunk)
+    // qh, kh: tasks per source, step and four rotation columns over the R ranks; the biases
+    // and the (sin, cos) table from shared memory.
     {
       const RotSrc src[2] = {{&a.q, a.vec_q, Qh}, {&a.k, a.vec_k, Kh}};
       rotated_quad_rows<NT, 4>(
@@ -1075,9 +1115,18 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     });
     bb_sync();
     float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
+    // Tile u of this warp among the nT nN dqh / dkh tiles (at most two per warp: make_plan):
+    // warp w owns tiles w and 2 W - 1 - w (W warps), so that each warp has a row block with
+    // few intra-chunk k steps and one with many (M1 kh ends at the tile's last row's step,
+    // M2 qh starts at its first row's). With tiles w and w + W, at N128 C16 the first 8 warps
+    // had 2 k steps (of 12) fewer than the other 8 in the dqh products and 2 more in the dkh
+    // ones, each imbalance waited out at the barrier after. Only the owners change: the same
+    // products per tile, the same bits.
+    static_assert(kPlanesTilesPerWarp == 2, "acc_tile pairs the tiles");
+    auto acc_tile = [&](int u) { return u == 0 ? warp : 2 * kPlanesWarps - 1 - warp; };
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
-      const int tile = warp + u * kPlanesWarps;
+      const int tile = acc_tile(u);
       mimo::zero_acc(accq[u]);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
@@ -1113,7 +1162,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     const float dda = expf(da_last) * red[2 * kPlanesWarps];
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
-      const int tile = warp + u * kPlanesWarps;
+      const int tile = acc_tile(u);
       mimo::zero_acc(acck[u]);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
@@ -1244,6 +1293,21 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       });
     }
     bb_sync();
+    // The diagonal blocks of XG scaled by gamma, for phase 3's DQ / DK tasks (per step, not per
+    // column): dg_q[(i R + r) R + r2] = gamma_i XG[(i, r2)][(i, r)], dg_k the transpose; over
+    // KQ (2 T R floats of its T^2: C >= 8), dead since the barrier above (M3 and DSSDA were its
+    // last readers; the dx products below read neither KQ nor XG). Here rather than after the dx
+    // products: one barrier interval fewer with work for only some threads. From the last
+    // thread down: the last warps' dx tiles have the fewest k steps (M3 g starts at the tile's
+    // first row's step).
+    float* dg_q = KQ;
+    float* dg_k = KQ + (T << lgR);
+    for (int e = NT - 1 - tid; e < (T << lgR); e += NT) {
+      const int row = e >> lgR, i = row >> lgR, r2 = e & (R - 1);
+      const float gam = s_gam[i];
+      dg_q[e] = gam * XG[(((i << lgR) + r2) << lgT) + row];
+      dg_k[e] = gam * XG[(row << lgT) + (i << lgR) + r2];
+    }
     for (int tile = warp; tile < (T * P) >> 8; tile += kPlanesWarps) {
       const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;
       float acc[2][4];
@@ -1260,23 +1324,12 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // ---- phase 3
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
-      const int tile = warp + u * kPlanesWarps;
+      const int tile = acc_tile(u);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
         store_tile(accq[u], m0, n0, dqh, N);
         store_tile(acck[u], m0, n0, dkh, N);
       }
-    }
-    // The diagonal blocks of XG scaled by gamma, for the DQ / DK tasks below (per step, not per
-    // column): dg_q[(i R + r) R + r2] = gamma_i XG[(i, r2)][(i, r)], dg_k the transpose; over
-    // the dead KQ (2 T R floats of its T^2: C >= 8).
-    float* dg_q = KQ;
-    float* dg_k = KQ + (T << lgR);
-    for (int e = tid; e < (T << lgR); e += NT) {
-      const int row = e >> lgR, i = row >> lgR, r2 = e & (R - 1);
-      const float gam = s_gam[i];
-      dg_q[e] = gam * XG[(((i << lgR) + r2) << lgT) + row];
-      dg_k[e] = gam * XG[(row << lgT) + (i << lgR) + r2];
     }
     // Here, not earlier: the accumulators are dead (no registers to spare in phase 2).
     if (a.prefetch && item + bb_nblocks() < total) prefetch_item(a, item + bb_nblocks());
@@ -1316,7 +1369,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       float sn0 = 0.f, cs0 = 1.f, sn1 = 0.f, cs1 = 1.f;
       if (rot0) {
         if (tab != nullptr) {
-          const float2 t0 = tab[i * A + n];  // phase 0's sincos of the same angles
+          const float2 t0 = tab[i * A + n];  // stage_chunk's sincos of the angles
           sn0 = t0.x, cs0 = t0.y;
           if (rot1) {
             const float2 t1 = tab[i * A + n + 1];
@@ -1495,21 +1548,6 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         st(a.dv, dv0 + (s0 + i) * ds1, acc);
       }
     }
-    for (int e = tid; e < (R << lgP); e += NT) {
-      const int r = e >> lgP, p = e & (P - 1);
-      // dx row i R + r and v[b, s0 + i, h, p] through pointers stepped per step (the dx index
-      // was formed by shifts, the v offset by a 64-bit multiply, per element); the same
-      // elements, values (ld_t's) and summation order.
-      const int64_t vs1 = a.v.s[1];
-      const unsigned short* pv =
-          reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
-      const float* px = dx + (r << lgP) + p;
-      float acc = 0.f;
-#pragma unroll 4  // (the default 16 adds ~150 instructions of remainder code for 16-step chunks)
-      for (int i = 0; i < L; ++i, px += R << lgP, pv += vs1)
-        acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
-      a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
-    }
     bb_sync();  // DQ, DK complete in dqh, dkh
     // Their valid rows (row = i R + r: output row (s0 + i) R + r = s0 R + row) to dq and dk in
     // one loop, four columns per task (one float4 read per source, one store per quad where the
@@ -1540,7 +1578,30 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         st(v, off, x.x), st(v, off + sn, x.y), st(v, off + 2 * sn, x.z), st(v, off + 3 * sn, x.w);
       });
     }
-    bb_sync();  // shared memory is rewritten for the next chunk
+    // The chunk's DMIMO_V partial, sum_i dx[i R + r][p] v[b, s0 + i, h, p] (e = r P + p), in
+    // this phase rather than before the barrier above (it reads dx and v only; dx lives over x
+    // until the next chunk's phase 0): its serial chain of L global loads per thread kept the
+    // warps that ran it (R P threads of 512) behind the others there. From the last thread down:
+    // stage_chunk's segsum / qk_dot loads run on the first threads.
+    for (int e = NT - 1 - tid; e < (R << lgP); e += NT) {
+      const int r = e >> lgP, p = e & (P - 1);
+      // dx row i R + r and v[b, s0 + i, h, p] through pointers stepped per step (the dx index
+      // was formed by shifts, the v offset by a 64-bit multiply, per element); the same
+      // elements, values (ld_t's) and summation order.
+      const int64_t vs1 = a.v.s[1];
+      const unsigned short* pv =
+          reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
+      const float* px = dx + (r << lgP) + p;
+      float acc = 0.f;
+#pragma unroll 4  // (the default 16 adds ~150 instructions of remainder code for 16-step chunks)
+      for (int i = 0; i < L; ++i, px += R << lgP, pv += vs1)
+        acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
+      a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
+    }
+    // The next chunk's per-step inputs (their last readers, the DQ / DK loop, are behind the
+    // barrier above; the store loop reads only dqh, dkh).
+    if (item + bb_nblocks() < total) stage_chunk(item + bb_nblocks());
+    bb_sync();  // shared memory is rewritten for the next chunk; the staged inputs are visible
   }
 }
 
