@@ -549,6 +549,8 @@ BB_DEV void rotated_pair_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
         const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
         // Rank r's row offset: xrow + r sr, stepped by one add per rank.
         int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+        // (Rolled: with R compile-time, the specialised K1 at R = 8 unrolled it and spilled.)
+        BB_NO_UNROLL
         for (int r0 = 0; r0 < R; r0 += G) {
           float2 x1[G] = {}, x2[G] = {};  // loads first
           BB_UNROLL

@@ -944,7 +944,7 @@ inline bool prefetch_allowed_by_env() {
   return allowed;
 }
 
-// MAMBA3_BB_SPECIALIZED=0: the planes K3 never takes its shape-specialised copies
+// MAMBA3_BB_SPECIALIZED=0: the planes K1 and K3 never take their shape-specialised copies
 // (mimo_bwd_bwd.cu; A/B runs and the bitwise-identity test). Read at every call (the choice
 // changes neither the workspace nor the outputs), so a test can compare both in one process.
 inline bool specialized_allowed_by_env() {
