@@ -330,16 +330,18 @@ BB_DEV float2 block_sum2(float v0, float v1, float* red) {
   return make_float2(t0, t1);
 }
 
-// Stores a 16 x 16 accumulator tile into the fp32 matrix out (row stride ld).
+// Stores a 16 x 16 accumulator tile into the fp32 matrix out (row stride ld, even; out 8-byte
+// aligned): a lane's column pairs by 8-byte stores (half the store instructions of scalar ones:
+// the planes K3's tile stores were 4% of its stall samples, mio throttle). Bank conflicts: none
+// where ld = 8 (mod 32) (a half warp's 16 pairs then cover the 32 banks once: the fp32 rows of
+// the planes, kPlanesPad); 4-way where ld is a multiple of 32 (KQ, XG; 8-way with scalar stores).
 BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int ld) {
   const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
   BB_UNROLL
   for (int j = 0; j < 2; ++j) {
     float* o = out + (m0 + g) * ld + n0 + 8 * j + 2 * q;
-    o[0] = acc[j][0];
-    o[1] = acc[j][1];
-    o[8 * ld] = acc[j][2];
-    o[8 * ld + 1] = acc[j][3];
+    *reinterpret_cast<float2*>(o) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(o + 8 * ld) = make_float2(acc[j][2], acc[j][3]);
   }
 }
 
@@ -842,9 +844,12 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   const SplitTile Sp{bfp(Ly.st), Ly.plN_P, ldP}, Mc{bfp(Ly.mc), Ly.plT_T, ldT};
   float* KQ = flp(Ly.kq);  // [T][T] kh_a . qh_b
   float* XG = flp(Ly.xg);  // [T][T] x_a . dPhiO_b
-  float* dqh = flp(Ly.qh);  // phase 3: [T][N]
-  float* dkh = flp(Ly.kh);  // phase 3: [T][N] dL/dkh / ts
-  float* dx = flp(Ly.x);    // from the dx products on: [T][P]
+  float* dqh = flp(Ly.qh);  // phase 3: [T][ldq]
+  float* dkh = flp(Ly.kh);  // phase 3: [T][ldq] dL/dkh / ts
+  float* dx = flp(Ly.x);    // from the dx products on: [T][ldx]
+  // Their row strides (floats): Ly.ldN, Ly.ldP (a plane pair's bytes per row), as compile-time
+  // constants in the specialised kernels; padded so that store_tile is conflict-free.
+  const int ldq = N + kPlanesPad, ldx = P + kPlanesPad;
   float *s_dacs = flp(Ly.dacs), *s_dt = flp(Ly.dt), *s_lam = flp(Ly.lam), *s_E = flp(Ly.E),
         *s_F = flp(Ly.F), *s_ts = flp(Ly.ts), *s_gam = flp(Ly.gam), *s_qk = flp(Ly.qk),
         *red = flp(Ly.red), *s_W = flp(Ly.W);
@@ -1319,7 +1324,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       scale_rows(acc, m0, lgR, s_ts);
       // From the first row's own step on.
       warp_mma_16x16<false, true, kMmaUnroll>(acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
-      store_tile(acc, m0, p0, dx, P);
+      store_tile(acc, m0, p0, dx, ldx);
     }
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
 
@@ -1329,8 +1334,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const int tile = acc_tile(u);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
-        store_tile(accq[u], m0, n0, dqh, N);
-        store_tile(acck[u], m0, n0, dkh, N);
+        store_tile(accq[u], m0, n0, dqh, ldq);
+        store_tile(acck[u], m0, n0, dkh, ldq);
       }
     }
     // Here, not earlier: the accumulators are dead (no registers to spare in phase 2).
@@ -1453,11 +1458,11 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         }
         BB_UNROLL
         for (int c = 0; c < NC; ++c) dang[c] = 0.f;
-        // Row i R + r of dqh / dkh at column nn, + N per rank.
-        float* rq = dqh + ((i * KR) << lgN) + nn;
-        float* rk = dkh + ((i * KR) << lgN) + nn;
+        // Row i R + r of dqh / dkh at column nn, + ldq per rank.
+        float* rq = dqh + i * KR * ldq + nn;
+        float* rk = dkh + i * KR * ldq + nn;
         BB_UNROLL
-        for (int r = 0; r < KR; ++r, rq += N, rk += N) {
+        for (int r = 0; r < KR; ++r, rq += ldq, rk += ldq) {
           const int row = i * KR + r;
           float q0[NC], q1[NC], g0[NC], g1[NC];
           lds(rq, q0), lds(rq + half, q1), lds(rk, g0), lds(rk + half, g1);
@@ -1542,10 +1547,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         float acc = 0.f;
         with_pow2(lgR, [&](auto kr) {
           constexpr int KR = decltype(kr)::value;
-          // Rows i KR + r through a pointer stepped by P (the index was shifts per rank).
-          const float* px = dx + ((i * KR) << lgP) + p;
+          // Rows i KR + r through a pointer stepped by ldx (the index was shifts per rank).
+          const float* px = dx + i * KR * ldx + p;
           BB_UNROLL
-          for (int r = 0; r < KR; ++r, px += P) acc += *px * mvr[r];
+          for (int r = 0; r < KR; ++r, px += ldx) acc += *px * mvr[r];
         });
         st(a.dv, dv0 + (s0 + i) * ds1, acc);
       }
@@ -1563,7 +1568,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       int64_t oq = int64_t{b} * vq.s[0] + int64_t{h} * vq.s[2] + row0 * sq + nc * snq;
       int64_t ok = int64_t{b} * vk.s[0] + int64_t{h} * vk.s[2] + row0 * sk + nc * snk;
       for (int row = tid >> lgQ; row < TL; row += rs, oq += rs * sq, ok += rs * sk) {
-        const int e = (row << lgN) + nc;
+        const int e = row * ldq + nc;
         store4(vq, oq, snq, a.vec_dq, *reinterpret_cast<const float4*>(dqh + e));
         store4(vk, ok, snk, a.vec_dk, *reinterpret_cast<const float4*>(dkh + e));
       }
@@ -1593,10 +1598,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const int64_t vs1 = a.v.s[1];
       const unsigned short* pv =
           reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
-      const float* px = dx + (r << lgP) + p;
+      const float* px = dx + r * ldx + p;
       float acc = 0.f;
 #pragma unroll 4  // (the default 16 adds ~150 instructions of remainder code for 16-step chunks)
-      for (int i = 0; i < L; ++i, px += R << lgP, pv += vs1)
+      for (int i = 0; i < L; ++i, px += R * ldx, pv += vs1)
         acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
       a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }

@@ -95,6 +95,10 @@ constexpr int kIncPlanesThreads = 256;     // K1 on planes: ~50 KB per CTA, seve
 constexpr int kPlanesWarps = kPlanesThreads / 32;
 constexpr int kPlanesTilesPerWarp = 2;     // 16 x 16 tiles of dqh, dkh, dx kept per warp
 constexpr int64_t kPlanesSmemMax = 227 * 1024;  // the H100 / H200 per-block opt-in limit
+// Row padding (elements) of the planes: conflict-free ldmatrix rows. The planes K3's fp32
+// [T][N] / [T][P] matrices over a dead plane pair (dqh, dkh, dx) take the same row stride in
+// floats (a pair's bytes per row): its 8-byte tile stores are then conflict-free too.
+constexpr int kPlanesPad = 8;
 
 struct PlanesLayout {
   int ldN = 0, ldP = 0, ldT = 0;  // row strides (elements) of the [.][N], [.][P], [.][T] planes
@@ -103,7 +107,7 @@ struct PlanesLayout {
   int plT_N = 0, plT_P = 0, plN_P = 0, plT_T = 0;
   // bf16 hi/lo planes (hi plane, then lo): qh, kh [T][ldN]; x, g (dPhiO) [T][ldP]; st [N][ldP]
   // (states[c], then dS_c); mc [T][ldT] (the coefficient matrix of the current product).
-  // Reused in phase 3 as fp32: dqh in qh, dkh in kh [T][N], dx in x [T][P].
+  // Reused in phase 3 as fp32: dqh in qh, dkh in kh [T][ldN], dx in x [T][ldP].
   int qh = 0, kh = 0, x = 0, g = 0, st = 0, mc = 0;
   int kq = 0, xg = 0;  // fp32 [T][T]
   // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
@@ -126,8 +130,8 @@ struct PlanesLayout {
 inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, int64_t A) {
   PlanesLayout L;
   const int64_t T = C * R;
-  L.ldN = static_cast<int>(N + 8), L.ldP = static_cast<int>(P + 8);  // + 8: conflict-free ldmatrix
-  L.ldT = static_cast<int>(T + 8);
+  L.ldN = static_cast<int>(N + kPlanesPad), L.ldP = static_cast<int>(P + kPlanesPad);
+  L.ldT = static_cast<int>(T + kPlanesPad);
   L.plT_N = static_cast<int>(T * L.ldN), L.plT_P = static_cast<int>(T * L.ldP);
   L.plN_P = static_cast<int>(N * L.ldP), L.plT_T = static_cast<int>(T * L.ldT);
   int64_t o = 0;
