@@ -842,8 +842,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   const SplitTile Qh{bfp(Ly.qh), Ly.plT_N, ldN}, Kh{bfp(Ly.kh), Ly.plT_N, ldN};
   const SplitTile X{bfp(Ly.x), Ly.plT_P, ldP}, Gp{bfp(Ly.g), Ly.plT_P, ldP};
   const SplitTile Sp{bfp(Ly.st), Ly.plN_P, ldP}, Mc{bfp(Ly.mc), Ly.plT_T, ldT};
-  float* KQ = flp(Ly.kq);  // [T][T] kh_a . qh_b
-  float* XG = flp(Ly.xg);  // [T][T] x_a . dPhiO_b
+  float* KQ = flp(Ly.kq);  // [T][ldk] kh_a . qh_b
+  float* XG = flp(Ly.xg);  // [T][ldk] x_a . dPhiO_b
+  // Their row stride (floats), padded: phase 1's tile stores conflict-free (4-way at T).
+  const int ldk = T + kPlanesPad;
   float* dqh = flp(Ly.qh);  // phase 3: [T][ldq]
   float* dkh = flp(Ly.kh);  // phase 3: [T][ldq] dL/dkh / ts
   float* dx = flp(Ly.x);    // from the dx products on: [T][ldx]
@@ -1097,7 +1099,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         warp_mma_16x16<false, false, kMmaUnroll>(acc, X, m0, Gp, n0, 0, P);
       else
         warp_mma_16x16<false, false, kMmaUnroll>(acc, Kh, m0, Qh, n0, 0, N);
-      store_tile(acc, m0, n0, xg ? XG : KQ, T);
+      store_tile(acc, m0, n0, xg ? XG : KQ, ldk);
     }
     bb_sync();
 
@@ -1117,8 +1119,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
         const float w1 = LR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
         st_split_pair(Mc, row * ldT + ca,
-                      make_float2(live0 ? w0 * XG[(ca << lgT) + row] : 0.f,
-                                  live1 ? w1 * XG[((ca + 1) << lgT) + row] : 0.f));
+                      make_float2(live0 ? w0 * XG[ca * ldk + row] : 0.f,
+                                  live1 ? w1 * XG[(ca + 1) * ldk + row] : 0.f));
       }
     });
     bb_sync();
@@ -1161,7 +1163,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         const bool live0 = j0 > i && j0 < L, live1 = LR > 0 ? live0 : j1 > i && j1 < L;
         const float w0 = live0 ? Wf(j0, i) : 0.f;
         const float w1 = LR > 0 ? w0 : live1 ? Wf(j1, i) : 0.f;
-        const float2 xg = *reinterpret_cast<const float2*>(XG + (row << lgT) + cb);
+        const float2 xg = *reinterpret_cast<const float2*>(XG + row * ldk + cb);
         st_split_pair(Mc, row * ldT + cb,
                       make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
       }
@@ -1191,7 +1193,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       for (int e = tid; e < (T << (lgT - 1)); e += NT) {
         const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> LR,
                   r2 = row & (KR - 1);
-        const float2 kq = *reinterpret_cast<const float2*>(KQ + (row << lgT) + cb);
+        const float2 kq = *reinterpret_cast<const float2*>(KQ + row * ldk + cb);
         float m[2];
         BB_UNROLL
         for (int u = 0; u < 2; ++u) {
@@ -1226,7 +1228,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           cs += part[k + kPartCs], rev += part[k + kPartRev], fac += part[k + kPartFac];
         }
         float dgam = 0.f;  // (as the general loop: a -0 product gives +0)
-        dgam += s_qk[i] * XG[(i << lgT) + i];
+        dgam += s_qk[i] * XG[i * ldk + i];
         const int t = s0 + i;  // the per-step outputs are fp32 (params)
         st_t(reinterpret_cast<float*>(a.dda.p) + o3(a.dda, b, h, t), dda);
         st_t(reinterpret_cast<float*>(a.dda_cs.p) + o3(a.dda_cs, b, h, t), cs);
@@ -1245,7 +1247,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       } else {
         for (int j = u; j < (R << lgR); j += 8) {
           const int r = j >> lgR, r2 = j & (R - 1);
-          v += s_qk[(i << (2 * lgR)) + j] * XG[(((i << lgR) + r2) << lgT) + (i << lgR) + r];
+          v += s_qk[(i << (2 * lgR)) + j] * XG[((i << lgR) + r2) * ldk + (i << lgR) + r];
         }
       }
       v += mimo::mb_shfl_xor(v, 1);
@@ -1289,7 +1291,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
             // The ranks r unrolled (immediate offsets); r2 not (its registers: this runs with
             // the dqh / dkh accumulators live; and code size: four copies).
             BB_NO_UNROLL
-            for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR) + rb; r2 < R; ++r2, b2 += T) {
+            for (int r2 = 0, b2 = (s << lgR) * ldk + (tq << lgR) + rb; r2 < R; ++r2, b2 += ldk) {
               BB_UNROLL
               for (int r = 0; r < NR; ++r) acc += KQ[b2 + r] * XG[b2 + r];
             }
@@ -1303,7 +1305,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     bb_sync();
     // The diagonal blocks of XG scaled by gamma, for phase 3's DQ / DK tasks (per step, not per
     // column): dg_q[(i R + r) R + r2] = gamma_i XG[(i, r2)][(i, r)], dg_k the transpose; over
-    // KQ (2 T R floats of its T^2: C >= 8), dead since the barrier above (M3 and DSSDA were its
+    // KQ (2 T R floats of its T ldk: C >= 8), dead since the barrier above (M3 and DSSDA were its
     // last readers; the dx products below read neither KQ nor XG). Here rather than after the dx
     // products: one barrier interval fewer with work for only some threads. From the last
     // thread down: the last warps' dx tiles have the fewest k steps (M3 g starts at the tile's
@@ -1313,8 +1315,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     for (int e = NT - 1 - tid; e < (T << lgR); e += NT) {
       const int row = e >> lgR, i = row >> lgR, r2 = e & (R - 1);
       const float gam = s_gam[i];
-      dg_q[e] = gam * XG[(((i << lgR) + r2) << lgT) + row];
-      dg_k[e] = gam * XG[(row << lgT) + (i << lgR) + r2];
+      dg_q[e] = gam * XG[((i << lgR) + r2) * ldk + row];
+      dg_k[e] = gam * XG[row * ldk + (i << lgR) + r2];
     }
     for (int tile = warp; tile < (T * P) >> 8; tile += kPlanesWarps) {
       const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;

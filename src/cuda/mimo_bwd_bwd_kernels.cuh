@@ -109,7 +109,7 @@ struct PlanesLayout {
   // (states[c], then dS_c); mc [T][ldT] (the coefficient matrix of the current product).
   // Reused in phase 3 as fp32: dqh in qh, dkh in kh [T][ldN], dx in x [T][ldP].
   int qh = 0, kh = 0, x = 0, g = 0, st = 0, mc = 0;
-  int kq = 0, xg = 0;  // fp32 [T][T]
+  int kq = 0, xg = 0;  // fp32 [T][ldT]
   // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
   // [2 kPlanesWarps + 1] (block_sum2's per-warp partials, then the DDA total) and three
   // per-row partial sums [T][N / 16][3].
@@ -147,8 +147,8 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, in
   L.g = take(bf2 * T * L.ldP);
   L.st = take(bf2 * N * L.ldP);
   L.mc = take(bf2 * T * L.ldT);
-  L.kq = take(4 * T * T);
-  L.xg = take(4 * T * T);
+  L.kq = take(4 * T * L.ldT);  // fp32 rows padded as mc's (conflict-free tile stores)
+  L.xg = take(4 * T * L.ldT);
   L.dacs = take(4 * C);
   L.dt = take(4 * (C + 1));
   L.lam = take(4 * (C + 1));
