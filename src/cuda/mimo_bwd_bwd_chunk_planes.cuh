@@ -954,6 +954,29 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
 
     // ---- phase 0: planes (the per-step inputs were staged before the chunk: stage_chunk)
+    // Decays of the steps; zero past the sequence (those rows are zero, their products too).
+    // Here, from the staged scalars (visible since the last barrier; thread i reads and writes
+    // s_F[i] in place), so that phase 0's barrier publishes them and phase 1 starts right after
+    // it (after it, threads 0..C C - 1 computed W while the others waited at phase 1's barrier).
+    // From the last thread down: the W loop below runs on the first threads.
+    const float da_last = s_dacs[L - 1];
+    for (int i = NT - 1 - tid; i < C; i += NT) {
+      float gam = 0.f, ts = 0.f, E = 0.f, F = 0.f;
+      if (i < L) {
+        gam = s_dt[i] * s_lam[i];
+        ts = gam + (i + 1 < Lx ? s_dt[i + 1] * (1.f - s_lam[i + 1]) : 0.f);
+        E = expf(s_dacs[i]);
+        F = expf(partial ? da_last - s_dacs[i] : s_F[i]);
+      }
+      s_gam[i] = gam, s_ts[i] = ts, s_E[i] = E, s_F[i] = F;
+    }
+    // W[i][j] = exp(segsum[c, i, j]) for j < i < L, else 0; a partial last chunk from da_cs
+    // alone (the tail contract), in place over the staged raw segsum.
+    for (int e = tid; e < (C << lgC); e += NT) {
+      const int i = e >> lgC, j = e & (C - 1);
+      s_W[e] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e]) : 0.f;
+    }
+
     // qh, kh: tasks per source, step and four rotation columns over the R ranks; the biases
     // and the (sin, cos) table from shared memory.
     {
@@ -1059,7 +1082,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         });
     }
     // Both block sums (DD, DDA) in one warp-shuffle reduction; its barrier also ends the loads
-    // above (phase 1 reads the planes). The DDA total is kept in shared memory (red[2 NW], past
+    // above (phase 1 reads the planes) and publishes the decays and W. The DDA total is kept in shared memory (red[2 NW], past
     // the warp partials, which are not rewritten before the next chunk) until the per-step
     // outputs: a register live across phase 2 would cost spills there.
     {
@@ -1068,24 +1091,6 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         if (a.has_d) a.ws_dd[item] = tot.x;
         red[2 * kPlanesWarps] = tot.y;
       }
-    }
-    // Decays of the steps; zero past the sequence (those rows are zero, their products too).
-    const float da_last = s_dacs[L - 1];
-    for (int i = tid; i < C; i += NT) {
-      float gam = 0.f, ts = 0.f, E = 0.f, F = 0.f;
-      if (i < L) {
-        gam = s_dt[i] * s_lam[i];
-        ts = gam + (i + 1 < Lx ? s_dt[i + 1] * (1.f - s_lam[i + 1]) : 0.f);
-        E = expf(s_dacs[i]);
-        F = expf(partial ? da_last - s_dacs[i] : s_F[i]);
-      }
-      s_gam[i] = gam, s_ts[i] = ts, s_E[i] = E, s_F[i] = F;
-    }
-    // W[i][j] = exp(segsum[c, i, j]) for j < i < L, else 0; a partial last chunk from da_cs
-    // alone (the tail contract). The same thread loaded entry e above.
-    for (int e = tid; e < (C << lgC); e += NT) {
-      const int i = e >> lgC, j = e & (C - 1);
-      s_W[e] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e]) : 0.f;
     }
 
     // ---- phase 1: KQ, XG (one 16 x 16 tile per warp and task)
