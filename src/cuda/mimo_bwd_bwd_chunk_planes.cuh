@@ -955,9 +955,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
 
     // ---- phase 0: planes (the per-step inputs were staged before the chunk: stage_chunk)
     // Decays of the steps; zero past the sequence (those rows are zero, their products too).
-    // Here, from the staged scalars (visible since the last barrier; thread i reads and writes
-    // s_F[i] in place), so that phase 0's barrier publishes them and phase 1 starts right after
-    // it (after it, threads 0..C C - 1 computed W while the others waited at phase 1's barrier).
+    // Here, from the staged scalars (visible since the last barrier; step i's thread alone
+    // reads and writes s_F[i], in place), so that phase 0's barrier publishes them and phase 1
+    // starts right after it (after it, threads 0 .. C^2 - 1 computed W while the others waited
+    // at phase 1's barrier).
     // From the last thread down: the W loop below runs on the first threads.
     const float da_last = s_dacs[L - 1];
     for (int i = NT - 1 - tid; i < C; i += NT) {
@@ -1082,9 +1083,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         });
     }
     // Both block sums (DD, DDA) in one warp-shuffle reduction; its barrier also ends the loads
-    // above (phase 1 reads the planes) and publishes the decays and W. The DDA total is kept in shared memory (red[2 NW], past
-    // the warp partials, which are not rewritten before the next chunk) until the per-step
-    // outputs: a register live across phase 2 would cost spills there.
+    // above (phase 1 reads the planes) and publishes the decays and W. The DDA total is kept
+    // in shared memory (red[2 NW], past the warp partials, which are not rewritten before the
+    // next chunk) until the per-step outputs: a register live across phase 2 would cost
+    // spills there.
     {
       const float2 tot = block_sum2<NT>(dd_part, dda_part, red);
       if (tid == 0) {
