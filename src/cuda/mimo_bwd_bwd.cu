@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(bb::kPlanesThreads, 1)
 }
 
 // K1 specialised: 3 CTAs per SM (<= 85 registers; ptxas: 55-72 at the grid's shapes, no
-// spills). At the generic kernel's 4 (64 registers) the specialised copies spilled 24-216
+// spills), for every grid shape but N16 (planes_ct). At the generic kernel's 4 (64 registers) the specialised copies spilled 24-216
 // bytes in session 10 (the folded shapes unroll more and keep more values live; the unrolled
 // rank loop of rotated_pair_rows, since rolled, was one cause at R = 8).
 template <int N, int P, int R, int C>
@@ -97,14 +97,34 @@ struct PlanesKernels {
   PlanesKernel k1, k3;
 };
 
+// The generic kernels.
+PlanesKernel generic_k1() {
+  return {reinterpret_cast<const void*>(bb_increment_planes_kernel),
+          [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+            bb_increment_planes_kernel<<<grid, nt, smem, st>>>(a);
+          }};
+}
+PlanesKernel generic_k3() {
+  return {reinterpret_cast<const void*>(bb_chunk_planes_kernel),
+          [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+            bb_chunk_planes_kernel<<<grid, nt, smem, st>>>(a);
+          }};
+}
+
+// K1 keeps the generic kernel at N16 P64 R4 C8: specialised (3 CTAs per SM) it measured slower
+// there on the H200 (0.195 -> 0.217 ms; N128 0.297 -> 0.249, R1 C64 0.107 -> 0.085, N32 0.159
+// -> 0.136).
 template <int N, int P, int R, int C>
 PlanesKernels planes_ct() {
-  return {{reinterpret_cast<const void*>(bb_increment_planes_ct_kernel<N, P, R, C>),
-           [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
-             ArgsCT<N, P, R, C> s;
-             static_cast<Args&>(s) = a;
-             bb_increment_planes_ct_kernel<N, P, R, C><<<grid, nt, smem, st>>>(s);
-           }},
+  PlanesKernel k1 = generic_k1();
+  if constexpr (N != 16)
+    k1 = {reinterpret_cast<const void*>(bb_increment_planes_ct_kernel<N, P, R, C>),
+          [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+            ArgsCT<N, P, R, C> s;
+            static_cast<Args&>(s) = a;
+            bb_increment_planes_ct_kernel<N, P, R, C><<<grid, nt, smem, st>>>(s);
+          }};
+  return {k1,
           {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C>),
            [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
              ArgsCT<N, P, R, C> s;
@@ -132,14 +152,7 @@ PlanesKernels planes_kernels(const Args& a) {
     MAMBA3_BB_CT(128, 64, 1, 64)
 #undef MAMBA3_BB_CT
   }
-  return {{reinterpret_cast<const void*>(bb_increment_planes_kernel),
-           [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
-             bb_increment_planes_kernel<<<grid, nt, smem, st>>>(a);
-           }},
-          {reinterpret_cast<const void*>(bb_chunk_planes_kernel),
-           [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
-             bb_chunk_planes_kernel<<<grid, nt, smem, st>>>(a);
-           }}};
+  return {generic_k1(), generic_k3()};
 }
 
 }  // namespace
