@@ -51,14 +51,14 @@ __global__ void __launch_bounds__(kThreads) bb_reduce_kernel(const __grid_consta
   bb::reduce_body(a);
 }
 
-// ---- The planes K3 specialised to one shape.
-// The body reads the shape through `a.N`, `a.lgP`, ... of its argument type (a template
+// ---- The planes K1 and K3 specialised to one shape.
+// The bodies read the shape through `a.N`, `a.lgP`, ... of their argument type (a template
 // parameter): ArgsCT is Args with those fields hidden by compile-time constants, so index
-// arithmetic, masks and loop bounds fold (static SASS at N128 P64 R4 C16: ~15.9K -> ~12.0K
-// instructions, no spills). Same expressions and summation orders as the generic kernel: the
-// same bits (CUDA test MimoBwdBwdCuda.SpecializedKernelGivesIdenticalBits). Compiled for the
-// shapes of SPEC.md's benchmark grid only (planes_k3); every other shape runs the generic
-// kernel. K1 stays generic: specialised at its 64 registers it spilled (24-216 bytes).
+// arithmetic, masks and loop bounds fold (static SASS of K3 at N128 P64 R4 C16: ~15.9K ->
+// ~12.0K instructions, no spills). Same expressions and summation orders as the generic
+// kernels: the same bits (CUDA test MimoBwdBwdCuda.SpecializedKernelGivesIdenticalBits).
+// Compiled for the shapes of SPEC.md's benchmark grid only (planes_kernels); every other shape
+// runs the generic kernels. MAMBA3_BB_SPECIALIZED=0 forces the generic ones for both.
 constexpr int lg2(int x) { return x <= 1 ? 0 : 1 + lg2(x / 2); }
 
 template <int N_, int P_, int R_, int C_>
@@ -76,29 +76,69 @@ __global__ void __launch_bounds__(bb::kPlanesThreads, 1)
   bb::chunk_planes_body(a, planes_smem);
 }
 
-// The planes K3 of one shape: the kernel (for its shared-memory attribute) and its launch (the
-// same parameter block, passed as the kernel's type).
-struct PlanesK3 {
+// K1 specialised: 3 CTAs per SM (<= 85 registers; ptxas: 55-72 at the grid's shapes, no
+// spills), for every grid shape but N16 (planes_ct). At the generic kernel's 4 (64 registers) the specialised copies spilled 24-216
+// bytes in session 10 (the folded shapes unroll more and keep more values live; the unrolled
+// rank loop of rotated_pair_rows, since rolled, was one cause at R = 8).
+template <int N, int P, int R, int C>
+__global__ void __launch_bounds__(bb::kIncPlanesThreads, 3)
+    bb_increment_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C> a) {
+  extern __shared__ __align__(16) unsigned char inc_planes_smem[];
+  bb::increment_planes_body(a, inc_planes_smem);
+}
+
+// A planes kernel of one shape: the kernel (for its shared-memory attribute) and its launch
+// (the same parameter block, passed as the kernel's type).
+struct PlanesKernel {
   const void* kernel;
-  void (*launch)(const Args&, unsigned grid, int smem, cudaStream_t st);
+  void (*launch)(const Args&, unsigned grid, int nthreads, int smem, cudaStream_t st);
+};
+struct PlanesKernels {
+  PlanesKernel k1, k3;
 };
 
-template <int N, int P, int R, int C>
-PlanesK3 planes_k3_ct() {
-  return {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C>),
-          [](const Args& a, unsigned grid, int smem, cudaStream_t st) {
-            ArgsCT<N, P, R, C> s;
-            static_cast<Args&>(s) = a;
-            bb_chunk_planes_ct_kernel<N, P, R, C><<<grid, bb::kPlanesThreads, smem, st>>>(s);
+// The generic kernels.
+PlanesKernel generic_k1() {
+  return {reinterpret_cast<const void*>(bb_increment_planes_kernel),
+          [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+            bb_increment_planes_kernel<<<grid, nt, smem, st>>>(a);
+          }};
+}
+PlanesKernel generic_k3() {
+  return {reinterpret_cast<const void*>(bb_chunk_planes_kernel),
+          [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+            bb_chunk_planes_kernel<<<grid, nt, smem, st>>>(a);
           }};
 }
 
-PlanesK3 planes_k3(const Args& a) {
+// K1 keeps the generic kernel at N16 P64 R4 C8: specialised (3 CTAs per SM) it measured slower
+// there on the H200 (0.195 -> 0.217 ms; N128 0.297 -> 0.249, R1 C64 0.107 -> 0.085, N32 0.159
+// -> 0.136).
+template <int N, int P, int R, int C>
+PlanesKernels planes_ct() {
+  PlanesKernel k1 = generic_k1();
+  if constexpr (N != 16)
+    k1 = {reinterpret_cast<const void*>(bb_increment_planes_ct_kernel<N, P, R, C>),
+          [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+            ArgsCT<N, P, R, C> s;
+            static_cast<Args&>(s) = a;
+            bb_increment_planes_ct_kernel<N, P, R, C><<<grid, nt, smem, st>>>(s);
+          }};
+  return {k1,
+          {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C>),
+           [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+             ArgsCT<N, P, R, C> s;
+             static_cast<Args&>(s) = a;
+             bb_chunk_planes_ct_kernel<N, P, R, C><<<grid, nt, smem, st>>>(s);
+           }}};
+}
+
+PlanesKernels planes_kernels(const Args& a) {
   if (bb::specialized_allowed_by_env()) {
     // SPEC.md section 4's grid (N, P, R, C), rotary_dim_divisor 4 (A = N / 4).
 #define MAMBA3_BB_CT(n, p, r, c)                                      \
   if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
-    return planes_k3_ct<n, p, r, c>();
+    return planes_ct<n, p, r, c>();
     MAMBA3_BB_CT(16, 64, 4, 8)
     MAMBA3_BB_CT(32, 64, 4, 16)
     MAMBA3_BB_CT(64, 64, 4, 16)
@@ -112,10 +152,7 @@ PlanesK3 planes_k3(const Args& a) {
     MAMBA3_BB_CT(128, 64, 1, 64)
 #undef MAMBA3_BB_CT
   }
-  return {reinterpret_cast<const void*>(bb_chunk_planes_kernel),
-          [](const Args& a, unsigned grid, int smem, cudaStream_t st) {
-            bb_chunk_planes_kernel<<<grid, bb::kPlanesThreads, smem, st>>>(a);
-          }};
+  return {generic_k1(), generic_k3()};
 }
 
 }  // namespace
@@ -144,11 +181,12 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
                 " bytes of shared memory per block, this device allows ", dev.smem_optin,
                 " (MAMBA3_BB_PLANES=0 selects the kernel that needs less)");
 
+  const PlanesKernels pk = pl.planes ? planes_kernels(a) : PlanesKernels{};
   if (pl.grid1 > 0 && pl.planes) {
-    set_smem(reinterpret_cast<const void*>(bb_increment_planes_kernel), p.device_id,
-             pl.ply.inc_bytes, "mimo_bwd_bwd: cudaFuncSetAttribute(planes increment kernel)");
-    bb_increment_planes_kernel<<<static_cast<unsigned>(pl.grid1), bb::kIncPlanesThreads,
-                                 pl.ply.inc_bytes, st>>>(a);
+    set_smem(pk.k1.kernel, p.device_id, pl.ply.inc_bytes,
+             "mimo_bwd_bwd: cudaFuncSetAttribute(planes increment kernel)");
+    pk.k1.launch(a, static_cast<unsigned>(pl.grid1), bb::kIncPlanesThreads,
+                 static_cast<int>(pl.ply.inc_bytes), st);
     check_launch("mimo_bwd_bwd: planes state increment kernel");
   } else if (pl.grid1 > 0) {
     bb_increment_kernel<<<static_cast<unsigned>(pl.grid1), kThreads, pl.smem1, st>>>(a);
@@ -160,10 +198,9 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
     const int smem = static_cast<int>(pl.ply.bytes);
     // One CTA per SM (its shared memory), grid-stride over the chunks.
     const int64_t grid = std::min<int64_t>(pl.grid3, dev.sms);
-    const PlanesK3 k3 = planes_k3(a);
-    set_smem(k3.kernel, p.device_id, pl.ply.bytes,
+    set_smem(pk.k3.kernel, p.device_id, pl.ply.bytes,
              "mimo_bwd_bwd: cudaFuncSetAttribute(planes chunk kernel)");
-    k3.launch(a, static_cast<unsigned>(grid), smem, st);
+    pk.k3.launch(a, static_cast<unsigned>(grid), bb::kPlanesThreads, smem, st);
     check_launch("mimo_bwd_bwd: planes chunk kernel");
   } else {
     bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);

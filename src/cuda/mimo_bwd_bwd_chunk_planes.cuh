@@ -15,10 +15,11 @@
 // accesses: a copy per dtype there only adds code, and K3 is large for the instruction cache.
 //
 // One CTA of kPlanesThreads (16 warps) per SM, grid-stride over the (b, h, chunk) items (the
-// next item's inputs are prefetched to L2 during this one's phase 3); T = C R rows (zero past
-// the sequence).
-//   phase 0  per-step scalars; planes qh, kh [T][N] (biased, rotated), x, g = dPhiO [T][P],
-//            st = states[c] [N][P]; the chunk's DD partial (sum g x, from the fp32 values)
+// next item's inputs are prefetched to L2 during this one's phase 3, and its per-step inputs,
+// biases and (sin, cos) table staged in shared memory after this one's DQ / DK loop:
+// stage_chunk); T = C R rows (zero past the sequence).
+//   phase 0  planes qh, kh [T][N] (biased, rotated), x, g = dPhiO [T][P], st = states[c]
+//            [N][P]; the chunk's DD partial (sum g x, from the fp32 values); per-step decays
 //   phase 1  KQ = kh qh^T, XG = x g^T (fp32 [T][T])
 //   phase 2  by tile ownership (the warp that computes an inter-chunk tile in registers goes on
 //            accumulating the intra-chunk product into it, so SG, SX and kh dS are never
@@ -305,16 +306,42 @@ BB_DEV void inter_chunk_tile(float (&acc)[2][4], const mimo::SplitTile& A, const
   scale_rows(acc, m0, lgR, f);
 }
 
-// Stores a 16 x 16 accumulator tile into the fp32 matrix out (row stride ld).
+// Two sums over the block of NT threads (NT a multiple of 32, NT / 32 a power of two <= 32),
+// returned to every thread; deterministic (fixed order, no atomics): each warp adds its lanes'
+// values in a butterfly (xor 16, 8, 4, 2, 1), lane 0 stores the warp's pair in red[w] and
+// red[NW + w] (red: 2 NW floats, NW = NT / 32), one barrier, then every warp adds the NW warp
+// pairs in a butterfly (xor NW / 2, ..., 1; lane l holds warp l mod NW's): the same order, so
+// the same bits, in every lane of every warp (a butterfly's partners add the same two values).
+// Why not a shared-memory tree: one barrier instead of 2 + log2 NT (11 at 512 threads), where
+// the planes K3 spent ~8% of its stall samples. Does not end with a barrier: red must not be
+// rewritten before the caller's next one.
+template <int NT>
+BB_DEV float2 block_sum2(float v0, float v1, float* red) {
+  constexpr int NW = NT / 32;
+  static_assert(NT % 32 == 0 && NW <= 32 && (NW & (NW - 1)) == 0, "NT / 32: a power of two <= 32");
+  const int tid = bb_tid(), lane = tid & 31;
+  BB_UNROLL
+  for (int m = 16; m > 0; m >>= 1) v0 += mimo::mb_shfl_xor(v0, m), v1 += mimo::mb_shfl_xor(v1, m);
+  if (lane == 0) red[tid >> 5] = v0, red[NW + (tid >> 5)] = v1;
+  bb_sync();
+  float t0 = red[lane & (NW - 1)], t1 = red[NW + (lane & (NW - 1))];
+  BB_UNROLL
+  for (int m = NW / 2; m > 0; m >>= 1) t0 += mimo::mb_shfl_xor(t0, m), t1 += mimo::mb_shfl_xor(t1, m);
+  return make_float2(t0, t1);
+}
+
+// Stores a 16 x 16 accumulator tile into the fp32 matrix out (row stride ld, even; out 8-byte
+// aligned): a lane's column pairs by 8-byte stores (half the store instructions of scalar ones:
+// the planes K3's tile stores were 4% of its stall samples, mio throttle). Bank conflicts: none
+// where ld = 8 (mod 32) (a half warp's 16 pairs then cover the 32 banks once: the fp32 rows of
+// the planes, kPlanesPad); 4-way where ld is a multiple of 32 (KQ, XG; 8-way with scalar stores).
 BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int ld) {
   const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
   BB_UNROLL
   for (int j = 0; j < 2; ++j) {
     float* o = out + (m0 + g) * ld + n0 + 8 * j + 2 * q;
-    o[0] = acc[j][0];
-    o[1] = acc[j][1];
-    o[8 * ld] = acc[j][2];
-    o[8 * ld + 1] = acc[j][3];
+    *reinterpret_cast<float2*>(o) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(o + 8 * ld) = make_float2(acc[j][2], acc[j][3]);
   }
 }
 
@@ -489,7 +516,7 @@ struct RotSrc {
 // by scale[i] (nullptr: unscaled), one task per step and column pair (n, n + 1), n even < half,
 // with its rotation partners (half + n, half + n + 1), over the R ranks: rows i R + r of each
 // source's planes (zero past the sequence). The sources of a task share its sin / cos (K1: q
-// only; K3 uses rotated_quad_rows, which also keeps the table). bias(k, r, n): (b[n], b[n + 1], b[half + n], b[half + n + 1]) of source k, rank r.
+// only; K3 uses rotated_quad_rows). bias(k, r, n): (b[n], b[n + 1], b[half + n], b[half + n + 1]) of source k, rank r.
 // Each thread keeps its column pair (NT is a multiple of half / 2), steps strided. Loads of RG
 // ranks are issued before their stores (more loads in flight per thread). Same arithmetic per
 // element as the scalar (n, half + n) tasks they replace.
@@ -524,6 +551,8 @@ BB_DEV void rotated_pair_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
         const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
         // Rank r's row offset: xrow + r sr, stepped by one add per rank.
         int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
+        // (Rolled: with R compile-time, the specialised K1 at R = 8 unrolled it and spilled.)
+        BB_NO_UNROLL
         for (int r0 = 0; r0 < R; r0 += G) {
           float2 x1[G] = {}, x2[G] = {};  // loads first
           BB_UNROLL
@@ -593,39 +622,51 @@ BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st) {
 // rotated_pair_rows for K3 (q and k, unscaled) with four columns per task: columns n .. n + 3
 // (n a multiple of 4 < half) and their partners half + n .., over the R ranks: 8-byte bf16
 // loads (vec 2), float4 bias reads from shared memory (bias(k, r, n): source k's fp32 biases
-// at columns n .. n + 3 of rank r), 8-byte split stores, one rolled sincosf (inlined four times
-// it is code the instruction cache must hold). Same arithmetic per element as
+// at columns n .. n + 3 of rank r), 8-byte split stores. Same arithmetic per element as
 // rotated_pair_rows. Needs half % 4 == 0 (N >= 16 on the planes path: make_plan).
-template <int NT, int RG, int NX, class Bias, class AT>
-BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
-                              int grp, int s0, int L, float2* tab) {
-  const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 3, lgR = a.lgR;
-  const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 4;
+// The (sin, cos) of the angles: with a table (tab, filled for this chunk beforehand: see
+// stage_chunk) read from it, and a task is one source's (k, i, n): twice the tasks of both
+// sources together, so that all warps share them (at N128 C16, 256 two-source tasks left half
+// of K3's 16 warps without any, waiting at the next barrier for the other half). Without a
+// table (tab == nullptr: N128 R1 C64) computed here, one rolled sincosf per angle (inlined four
+// times it is code the instruction cache must hold), and a task takes both sources (one
+// sincos for both).
+template <int NT, int RG, class Bias, class AT>
+BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[2], Bias bias, int b, int h,
+                              int grp, int s0, int L, const float2* tab) {
+  const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 3, lgR = a.lgR, lgC = a.lgC;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
-  const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2] + n * as3;
-  bool quad = true;
-  BB_UNROLL
-  for (int k = 0; k < NX; ++k) quad = quad && src[k].vec == 2;
-  for (int i = tid >> lgQ; i < a.C; i += NT >> lgQ) {
+  const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
+  const bool quad = src[0].vec == 2 && src[1].vec == 2;
+  // Tasks: source k0 = e / (C N / 8) (0 without a table), step i, quad n; nk sources each.
+  const int nk = tab != nullptr ? 1 : 2;
+  for (int e = bb_tid(); e < ((2 / nk) << (lgC + lgQ)); e += NT) {
+    const int k0 = e >> (lgC + lgQ), i = (e >> lgQ) & (a.C - 1), n = (e & ((1 << lgQ) - 1)) * 4;
     float sn[4] = {0.f, 0.f, 0.f, 0.f}, cs[4] = {1.f, 1.f, 1.f, 1.f};
     if (i < L && n < A) {
-      const int64_t ao = ang0 + (s0 + i) * as1;
-      BB_NO_UNROLL
-      for (int j = 0; j < 4; ++j) {
-        float sv = 0.f, cv = 1.f;
-        if (n + j < A) {
-          bb_sincos(ld(a.angles, ao + j * as3), &sv, &cv);
-          if (tab != nullptr) tab[i * A + n + j] = make_float2(sv, cv);
+      if (tab != nullptr) {
+        BB_UNROLL
+        for (int j = 0; j < 4; ++j)
+          if (n + j < A) {
+            const float2 t = tab[i * A + n + j];
+            sn[j] = t.x, cs[j] = t.y;
+          }
+      } else {
+        const int64_t ao = ang0 + (s0 + i) * as1 + n * as3;
+        BB_NO_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          float sv = 0.f, cv = 1.f;
+          if (n + j < A) bb_sincos(ld(a.angles, ao + j * as3), &sv, &cv);
+          // (Selects, not an indexed array: that would go to local memory.)
+          sn[0] = j == 0 ? sv : sn[0], cs[0] = j == 0 ? cv : cs[0];
+          sn[1] = j == 1 ? sv : sn[1], cs[1] = j == 1 ? cv : cs[1];
+          sn[2] = j == 2 ? sv : sn[2], cs[2] = j == 2 ? cv : cs[2];
+          sn[3] = j == 3 ? sv : sn[3], cs[3] = j == 3 ? cv : cs[3];
         }
-        // (Selects, not an indexed array: that would go to local memory.)
-        sn[0] = j == 0 ? sv : sn[0], cs[0] = j == 0 ? cv : cs[0];
-        sn[1] = j == 1 ? sv : sn[1], cs[1] = j == 1 ? cv : cs[1];
-        sn[2] = j == 2 ? sv : sn[2], cs[2] = j == 2 ? cv : cs[2];
-        sn[3] = j == 3 ? sv : sn[3], cs[3] = j == 3 ? cv : cs[3];
       }
     }
-    // The loads' layout chosen per step task (a uniform branch; the sincos above stays one
-    // copy): the quad-load body (every source with vec 2) issues only its 8-byte loads; the
+    // The loads' layout chosen per task (a uniform branch; the sincos above stays one copy):
+    // the quad-load body (both sources with vec 2) issues only its 8-byte loads; the
     // fallback (other layouts, rare) takes the ranks one at a time (G 1: less code) with
     // 2-byte loads. Same values and arithmetic per element either way. The quad body's group
     // G = min(RG, R) is compile-time (one copy per G: R = 1, 2 and R >= RG), so that G divides
@@ -637,9 +678,9 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
       // Ranks: G itself where the quad body's G < RG (R = G), else the runtime R (a multiple
       // of G).
       const int nr = kQuad && G < RG ? G : R;
-      BB_UNROLL
-      for (int k = 0; k < NX; ++k) {
-        const View& x = *src[k].x;
+      BB_NO_UNROLL  // (nk = 1 or 2 sources: one copy)
+      for (int k = k0; k < k0 + nk; ++k) {
+        const View& x = k == 0 ? *src[0].x : *src[1].x;
         const unsigned short* xp = reinterpret_cast<const unsigned short*>(x.p);
         const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
         // Rank r's row offset: xrow + r sr, stepped by one add per rank.
@@ -661,7 +702,7 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
             BB_UNROLL
             for (int u = 0; u < G; ++u) x1[u] = x2[u] = make_float4(0.f, 0.f, 0.f, 0.f);
           }
-          const mimo::SplitTile& out = src[k].out;
+          const mimo::SplitTile out = k == 0 ? src[0].out : src[1].out;
           BB_UNROLL
           for (int u = 0; u < G; ++u) {
             const int row = (i << lgR) + r0 + u;
@@ -801,11 +842,16 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   const SplitTile Qh{bfp(Ly.qh), Ly.plT_N, ldN}, Kh{bfp(Ly.kh), Ly.plT_N, ldN};
   const SplitTile X{bfp(Ly.x), Ly.plT_P, ldP}, Gp{bfp(Ly.g), Ly.plT_P, ldP};
   const SplitTile Sp{bfp(Ly.st), Ly.plN_P, ldP}, Mc{bfp(Ly.mc), Ly.plT_T, ldT};
-  float* KQ = flp(Ly.kq);  // [T][T] kh_a . qh_b
-  float* XG = flp(Ly.xg);  // [T][T] x_a . dPhiO_b
-  float* dqh = flp(Ly.qh);  // phase 3: [T][N]
-  float* dkh = flp(Ly.kh);  // phase 3: [T][N] dL/dkh / ts
-  float* dx = flp(Ly.x);    // from the dx products on: [T][P]
+  float* KQ = flp(Ly.kq);  // [T][ldk] kh_a . qh_b
+  float* XG = flp(Ly.xg);  // [T][ldk] x_a . dPhiO_b
+  // Their row stride (floats), padded: phase 1's tile stores conflict-free (4-way at T).
+  const int ldk = T + kPlanesPad;
+  float* dqh = flp(Ly.qh);  // phase 3: [T][ldq]
+  float* dkh = flp(Ly.kh);  // phase 3: [T][ldq] dL/dkh / ts
+  float* dx = flp(Ly.x);    // from the dx products on: [T][ldx]
+  // Their row strides (floats): Ly.ldN, Ly.ldP (a plane pair's bytes per row), as compile-time
+  // constants in the specialised kernels; padded so that store_tile is conflict-free.
+  const int ldq = N + kPlanesPad, ldx = P + kPlanesPad;
   float *s_dacs = flp(Ly.dacs), *s_dt = flp(Ly.dt), *s_lam = flp(Ly.lam), *s_E = flp(Ly.E),
         *s_F = flp(Ly.F), *s_ts = flp(Ly.ts), *s_gam = flp(Ly.gam), *s_qk = flp(Ly.qk),
         *red = flp(Ly.red), *s_W = flp(Ly.W);
@@ -823,24 +869,21 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     return o >= 0 ? reinterpret_cast<float2*>(smem + o) : nullptr;
   };
 
-  const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
-  for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
-    // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
+  // The per-chunk inputs of shared memory that only the chunk's item decides: q_bias, k_bias as
+  // fp32 (read per element of qh, kh and of phase 3), the per-step scalars, the raw segsum and
+  // qk_dot, and the (sin, cos) table of the angles (where it fits). Staged for chunk `item` by
+  // the previous chunk's last phase (after the DQ / DK loop, their last reader; the barrier that
+  // ends the chunk makes them visible), or for a CTA's first chunk in a pass of its own. Why:
+  // loaded at the top of phase 0 they needed a barrier of their own before the q / k rotation,
+  // where all 16 warps waited on their global-memory latency (2.8% of K3's stall samples), and
+  // the sincos of phase 0 ran on the rotation tasks (half of the warps at N128 C16).
+  // (Raw loads first, conversions after: one memory latency per loop, not one per tensor.)
+  // Same loads and values as when they were loaded in phase 0.
+  auto stage_chunk = [&](int64_t item) {
     const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
-    const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
-    const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), TL = L * R;
+    const int b = a.div_H.div(bh), h = bh - b * a.H;
+    const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0);
     const bool partial = L < C;
-    const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
-    const int64_t NP = static_cast<int64_t>(N) * P;
-    const float* dS = a.ws_ds + item * NP;
-    // The 64-bit base offsets below are formed in the loop (or block) that uses them, not here:
-    // kept live across phase 2 they cost spills at its 128 registers.
-    // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
-    auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
-
-    // ---- phase 0: per-step inputs, planes
-    // q_bias, k_bias [R][N] as fp32 (read per element of qh, kh and of phase 3).
-    // (Raw loads first, conversions after: one memory latency per loop, not one per tensor.)
     for (int e = tid; e < (R << lgN); e += NT) {
       const int r = e >> lgN, n = e & (N - 1);
       const uint32_t uq = rt_ld_raw(a.q_bias.p, o3(a.q_bias, h, r, n), a.q_bias.dt);
@@ -860,8 +903,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       s_dt[i] = rt_raw_f(udt, a.dt.dt);
       s_lam[i] = sigmoid_f(rt_raw_f(utr, a.trap.dt));
     }
-    // The chunk's raw segsum [C][C] now, with the planes' loads (why: read per coefficient in
-    // the three builds of phase 2, each was an exposed global load); exponentiated below.
+    // The chunk's raw segsum [C][C] (why in shared memory: read per coefficient in the three
+    // builds of phase 2, each was an exposed global load); exponentiated in phase 0.
     // (Runtime-dtype loads: a few elements per thread, where a loop per dtype would only add
     // code for the instruction cache.)
     {
@@ -880,9 +923,63 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         s_qk[e] = ld(a.qk_dot, qk0 + i * a.qk_dot.s[2] + r * a.qk_dot.s[3] + r2 * a.qk_dot.s[4]);
       }
     }
-    // qh, kh: tasks per step and rotation column pair over the R ranks, q and k together (one
-    // sincos per angle, kept in tab for phase 3 where it fits); the biases from shared memory.
-    bb_sync();  // s_qbias, s_kbias
+    // tab[i A + j] = (sin, cos) of angle j of step i < L: one sincosf per angle (one per thread
+    // at N128 C16), read by phase 0's rotation and by phase 3.
+    if (float2* tab = cs_tab()) {
+      const int64_t ao = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
+      for (int e = tid; e < L * A; e += NT) {
+        const int i = e / A, j = e - i * A;
+        float sv, cv;
+        bb_sincos(ld(a.angles, ao + (s0 + i) * a.angles.s[1] + j * a.angles.s[3]), &sv, &cv);
+        tab[e] = make_float2(sv, cv);
+      }
+    }
+  };
+
+  const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
+  if (bb_bid() < total) stage_chunk(bb_bid());
+  bb_sync();
+  for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
+    // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
+    const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
+    const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
+    const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0), TL = L * R;
+    const bool partial = L < C;
+    const float Dh = a.has_d ? ld(a.d, o1(a.d, h)) : 0.f;
+    const int64_t NP = static_cast<int64_t>(N) * P;
+    const float* dS = a.ws_ds + item * NP;
+    // The 64-bit base offsets below are formed in the loop (or block) that uses them, not here:
+    // kept live across phase 2 they cost spills at its 128 registers.
+    // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
+    auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
+
+    // ---- phase 0: planes (the per-step inputs were staged before the chunk: stage_chunk)
+    // Decays of the steps; zero past the sequence (those rows are zero, their products too).
+    // Here, from the staged scalars (visible since the last barrier; step i's thread alone
+    // reads and writes s_F[i], in place), so that phase 0's barrier publishes them and phase 1
+    // starts right after it (after it, threads 0 .. C^2 - 1 computed W while the others waited
+    // at phase 1's barrier).
+    // From the last thread down: the W loop below runs on the first threads.
+    const float da_last = s_dacs[L - 1];
+    for (int i = NT - 1 - tid; i < C; i += NT) {
+      float gam = 0.f, ts = 0.f, E = 0.f, F = 0.f;
+      if (i < L) {
+        gam = s_dt[i] * s_lam[i];
+        ts = gam + (i + 1 < Lx ? s_dt[i + 1] * (1.f - s_lam[i + 1]) : 0.f);
+        E = expf(s_dacs[i]);
+        F = expf(partial ? da_last - s_dacs[i] : s_F[i]);
+      }
+      s_gam[i] = gam, s_ts[i] = ts, s_E[i] = E, s_F[i] = F;
+    }
+    // W[i][j] = exp(segsum[c, i, j]) for j < i < L, else 0; a partial last chunk from da_cs
+    // alone (the tail contract), in place over the staged raw segsum.
+    for (int e = tid; e < (C << lgC); e += NT) {
+      const int i = e >> lgC, j = e & (C - 1);
+      s_W[e] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e]) : 0.f;
+    }
+
+    // qh, kh: tasks per source, step and four rotation columns over the R ranks; the biases
+    // and the (sin, cos) table from shared memory.
     {
       const RotSrc src[2] = {{&a.q, a.vec_q, Qh}, {&a.k, a.vec_k, Kh}};
       rotated_quad_rows<NT, 4>(
@@ -970,13 +1067,14 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
               st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
             });
       };
-      // Pair loads by dtype (only they: a runtime pair choice issued both paths); layouts
-      // without pair loads (rare) in one runtime-dtype loop, a row at a time (the same values,
-      // rows and order as the pair loop).
+      // Pair loads by dtype (only they: a runtime pair choice issued both paths), eight rows
+      // in flight (a thread's eight rows at N128 P64: one memory latency, not two as with four;
+      // the same rows in the same order); layouts without pair loads (rare) in one
+      // runtime-dtype loop, a row at a time (the same values, rows and order as the pair loop).
       if (a.vec_states)
         with_dtype(a.states.dt, [&](auto stag) {
           using TS = typename decltype(stag)::type;
-          states_rows(std::integral_constant<int, 4>{},
+          states_rows(std::integral_constant<int, 8>{},
                       [&](int64_t o) { return ld2_t<TS>(a.states, o, ss4, true); });
         });
       else
@@ -984,33 +1082,17 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           return make_float2(ld(a.states, o), ld(a.states, o + ss4));
         });
     }
-    // Both block sums in one tree; its barriers also end the loads above. The DDA total is kept
-    // in shared memory (red[2 NT], past the tree) until the per-step outputs: a register live
-    // across phase 2 would cost spills there.
+    // Both block sums (DD, DDA) in one warp-shuffle reduction; its barrier also ends the loads
+    // above (phase 1 reads the planes) and publishes the decays and W. The DDA total is kept
+    // in shared memory (red[2 NW], past the warp partials, which are not rewritten before the
+    // next chunk) until the per-step outputs: a register live across phase 2 would cost
+    // spills there.
     {
       const float2 tot = block_sum2<NT>(dd_part, dda_part, red);
       if (tid == 0) {
         if (a.has_d) a.ws_dd[item] = tot.x;
-        red[2 * NT] = tot.y;
+        red[2 * kPlanesWarps] = tot.y;
       }
-    }
-    // Decays of the steps; zero past the sequence (those rows are zero, their products too).
-    const float da_last = s_dacs[L - 1];
-    for (int i = tid; i < C; i += NT) {
-      float gam = 0.f, ts = 0.f, E = 0.f, F = 0.f;
-      if (i < L) {
-        gam = s_dt[i] * s_lam[i];
-        ts = gam + (i + 1 < Lx ? s_dt[i + 1] * (1.f - s_lam[i + 1]) : 0.f);
-        E = expf(s_dacs[i]);
-        F = expf(partial ? da_last - s_dacs[i] : s_F[i]);
-      }
-      s_gam[i] = gam, s_ts[i] = ts, s_E[i] = E, s_F[i] = F;
-    }
-    // W[i][j] = exp(segsum[c, i, j]) for j < i < L, else 0; a partial last chunk from da_cs
-    // alone (the tail contract). The same thread loaded entry e above.
-    for (int e = tid; e < (C << lgC); e += NT) {
-      const int i = e >> lgC, j = e & (C - 1);
-      s_W[e] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e]) : 0.f;
     }
 
     // ---- phase 1: KQ, XG (one 16 x 16 tile per warp and task)
@@ -1024,7 +1106,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         warp_mma_16x16<false, false, kMmaUnroll>(acc, X, m0, Gp, n0, 0, P);
       else
         warp_mma_16x16<false, false, kMmaUnroll>(acc, Kh, m0, Qh, n0, 0, N);
-      store_tile(acc, m0, n0, xg ? XG : KQ, T);
+      store_tile(acc, m0, n0, xg ? XG : KQ, ldk);
     }
     bb_sync();
 
@@ -1044,15 +1126,24 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
         const float w1 = LR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
         st_split_pair(Mc, row * ldT + ca,
-                      make_float2(live0 ? w0 * XG[(ca << lgT) + row] : 0.f,
-                                  live1 ? w1 * XG[((ca + 1) << lgT) + row] : 0.f));
+                      make_float2(live0 ? w0 * XG[ca * ldk + row] : 0.f,
+                                  live1 ? w1 * XG[(ca + 1) * ldk + row] : 0.f));
       }
     });
     bb_sync();
     float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
+    // Tile u of this warp among the nT nN dqh / dkh tiles (at most two per warp: make_plan):
+    // warp w owns tiles w and 2 W - 1 - w (W warps), so that each warp has a row block with
+    // few intra-chunk k steps and one with many (M1 kh ends at the tile's last row's step,
+    // M2 qh starts at its first row's). With tiles w and w + W, at N128 C16 the first 8 warps
+    // had 2 k steps (of 12) fewer than the other 8 in the dqh products and 2 more in the dkh
+    // ones, each imbalance waited out at the barrier after. Only the owners change: the same
+    // products per tile, the same bits.
+    static_assert(kPlanesTilesPerWarp == 2, "acc_tile pairs the tiles");
+    auto acc_tile = [&](int u) { return u == 0 ? warp : 2 * kPlanesWarps - 1 - warp; };
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
-      const int tile = warp + u * kPlanesWarps;
+      const int tile = acc_tile(u);
       mimo::zero_acc(accq[u]);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
@@ -1079,16 +1170,16 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         const bool live0 = j0 > i && j0 < L, live1 = LR > 0 ? live0 : j1 > i && j1 < L;
         const float w0 = live0 ? Wf(j0, i) : 0.f;
         const float w1 = LR > 0 ? w0 : live1 ? Wf(j1, i) : 0.f;
-        const float2 xg = *reinterpret_cast<const float2*>(XG + (row << lgT) + cb);
+        const float2 xg = *reinterpret_cast<const float2*>(XG + row * ldk + cb);
         st_split_pair(Mc, row * ldT + cb,
                       make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
       }
     });
     bb_sync();  // mc and the dS planes
-    const float dda = expf(da_last) * red[2 * NT];
+    const float dda = expf(da_last) * red[2 * kPlanesWarps];
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
-      const int tile = warp + u * kPlanesWarps;
+      const int tile = acc_tile(u);
       mimo::zero_acc(acck[u]);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
@@ -1109,7 +1200,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       for (int e = tid; e < (T << (lgT - 1)); e += NT) {
         const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> LR,
                   r2 = row & (KR - 1);
-        const float2 kq = *reinterpret_cast<const float2*>(KQ + (row << lgT) + cb);
+        const float2 kq = *reinterpret_cast<const float2*>(KQ + row * ldk + cb);
         float m[2];
         BB_UNROLL
         for (int u = 0; u < 2; ++u) {
@@ -1144,7 +1235,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           cs += part[k + kPartCs], rev += part[k + kPartRev], fac += part[k + kPartFac];
         }
         float dgam = 0.f;  // (as the general loop: a -0 product gives +0)
-        dgam += s_qk[i] * XG[(i << lgT) + i];
+        dgam += s_qk[i] * XG[i * ldk + i];
         const int t = s0 + i;  // the per-step outputs are fp32 (params)
         st_t(reinterpret_cast<float*>(a.dda.p) + o3(a.dda, b, h, t), dda);
         st_t(reinterpret_cast<float*>(a.dda_cs.p) + o3(a.dda_cs, b, h, t), cs);
@@ -1163,7 +1254,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       } else {
         for (int j = u; j < (R << lgR); j += 8) {
           const int r = j >> lgR, r2 = j & (R - 1);
-          v += s_qk[(i << (2 * lgR)) + j] * XG[(((i << lgR) + r2) << lgT) + (i << lgR) + r];
+          v += s_qk[(i << (2 * lgR)) + j] * XG[((i << lgR) + r2) * ldk + (i << lgR) + r];
         }
       }
       v += mimo::mb_shfl_xor(v, 1);
@@ -1207,7 +1298,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
             // The ranks r unrolled (immediate offsets); r2 not (its registers: this runs with
             // the dqh / dkh accumulators live; and code size: four copies).
             BB_NO_UNROLL
-            for (int r2 = 0, b2 = (s << (lgR + lgT)) + (tq << lgR) + rb; r2 < R; ++r2, b2 += T) {
+            for (int r2 = 0, b2 = (s << lgR) * ldk + (tq << lgR) + rb; r2 < R; ++r2, b2 += ldk) {
               BB_UNROLL
               for (int r = 0; r < NR; ++r) acc += KQ[b2 + r] * XG[b2 + r];
             }
@@ -1219,6 +1310,21 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       });
     }
     bb_sync();
+    // The diagonal blocks of XG scaled by gamma, for phase 3's DQ / DK tasks (per step, not per
+    // column): dg_q[(i R + r) R + r2] = gamma_i XG[(i, r2)][(i, r)], dg_k the transpose; over
+    // KQ (2 T R floats of its T ldk: C >= 8), dead since the barrier above (M3 and DSSDA were its
+    // last readers; the dx products below read neither KQ nor XG). Here rather than after the dx
+    // products: one barrier interval fewer with work for only some threads. From the last
+    // thread down: the last warps' dx tiles have the fewest k steps (M3 g starts at the tile's
+    // first row's step).
+    float* dg_q = KQ;
+    float* dg_k = KQ + (T << lgR);
+    for (int e = NT - 1 - tid; e < (T << lgR); e += NT) {
+      const int row = e >> lgR, i = row >> lgR, r2 = e & (R - 1);
+      const float gam = s_gam[i];
+      dg_q[e] = gam * XG[((i << lgR) + r2) * ldk + row];
+      dg_k[e] = gam * XG[row * ldk + (i << lgR) + r2];
+    }
     for (int tile = warp; tile < (T * P) >> 8; tile += kPlanesWarps) {
       const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;
       float acc[2][4];
@@ -1228,30 +1334,19 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       scale_rows(acc, m0, lgR, s_ts);
       // From the first row's own step on.
       warp_mma_16x16<false, true, kMmaUnroll>(acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
-      store_tile(acc, m0, p0, dx, P);
+      store_tile(acc, m0, p0, dx, ldx);
     }
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
 
     // ---- phase 3
     BB_UNROLL
     for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
-      const int tile = warp + u * kPlanesWarps;
+      const int tile = acc_tile(u);
       if (tile < nT * nN) {
         const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
-        store_tile(accq[u], m0, n0, dqh, N);
-        store_tile(acck[u], m0, n0, dkh, N);
+        store_tile(accq[u], m0, n0, dqh, ldq);
+        store_tile(acck[u], m0, n0, dkh, ldq);
       }
-    }
-    // The diagonal blocks of XG scaled by gamma, for the DQ / DK tasks below (per step, not per
-    // column): dg_q[(i R + r) R + r2] = gamma_i XG[(i, r2)][(i, r)], dg_k the transpose; over
-    // the dead KQ (2 T R floats of its T^2: C >= 8).
-    float* dg_q = KQ;
-    float* dg_k = KQ + (T << lgR);
-    for (int e = tid; e < (T << lgR); e += NT) {
-      const int row = e >> lgR, i = row >> lgR, r2 = e & (R - 1);
-      const float gam = s_gam[i];
-      dg_q[e] = gam * XG[(((i << lgR) + r2) << lgT) + row];
-      dg_k[e] = gam * XG[(row << lgT) + (i << lgR) + r2];
     }
     // Here, not earlier: the accumulators are dead (no registers to spare in phase 2).
     if (a.prefetch && item + bb_nblocks() < total) prefetch_item(a, item + bb_nblocks());
@@ -1291,7 +1386,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       float sn0 = 0.f, cs0 = 1.f, sn1 = 0.f, cs1 = 1.f;
       if (rot0) {
         if (tab != nullptr) {
-          const float2 t0 = tab[i * A + n];  // phase 0's sincos of the same angles
+          const float2 t0 = tab[i * A + n];  // stage_chunk's sincos of the angles
           sn0 = t0.x, cs0 = t0.y;
           if (rot1) {
             const float2 t1 = tab[i * A + n + 1];
@@ -1373,11 +1468,11 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         }
         BB_UNROLL
         for (int c = 0; c < NC; ++c) dang[c] = 0.f;
-        // Row i R + r of dqh / dkh at column nn, + N per rank.
-        float* rq = dqh + ((i * KR) << lgN) + nn;
-        float* rk = dkh + ((i * KR) << lgN) + nn;
+        // Row i R + r of dqh / dkh at column nn, + ldq per rank.
+        float* rq = dqh + i * KR * ldq + nn;
+        float* rk = dkh + i * KR * ldq + nn;
         BB_UNROLL
-        for (int r = 0; r < KR; ++r, rq += N, rk += N) {
+        for (int r = 0; r < KR; ++r, rq += ldq, rk += ldq) {
           const int row = i * KR + r;
           float q0[NC], q1[NC], g0[NC], g1[NC];
           lds(rq, q0), lds(rq + half, q1), lds(rk, g0), lds(rk + half, g1);
@@ -1462,28 +1557,13 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         float acc = 0.f;
         with_pow2(lgR, [&](auto kr) {
           constexpr int KR = decltype(kr)::value;
-          // Rows i KR + r through a pointer stepped by P (the index was shifts per rank).
-          const float* px = dx + ((i * KR) << lgP) + p;
+          // Rows i KR + r through a pointer stepped by ldx (the index was shifts per rank).
+          const float* px = dx + i * KR * ldx + p;
           BB_UNROLL
-          for (int r = 0; r < KR; ++r, px += P) acc += *px * mvr[r];
+          for (int r = 0; r < KR; ++r, px += ldx) acc += *px * mvr[r];
         });
         st(a.dv, dv0 + (s0 + i) * ds1, acc);
       }
-    }
-    for (int e = tid; e < (R << lgP); e += NT) {
-      const int r = e >> lgP, p = e & (P - 1);
-      // dx row i R + r and v[b, s0 + i, h, p] through pointers stepped per step (the dx index
-      // was formed by shifts, the v offset by a 64-bit multiply, per element); the same
-      // elements, values (ld_t's) and summation order.
-      const int64_t vs1 = a.v.s[1];
-      const unsigned short* pv =
-          reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
-      const float* px = dx + (r << lgP) + p;
-      float acc = 0.f;
-#pragma unroll 4  // (the default 16 adds ~150 instructions of remainder code for 16-step chunks)
-      for (int i = 0; i < L; ++i, px += R << lgP, pv += vs1)
-        acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
-      a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }
     bb_sync();  // DQ, DK complete in dqh, dkh
     // Their valid rows (row = i R + r: output row (s0 + i) R + r = s0 R + row) to dq and dk in
@@ -1498,7 +1578,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       int64_t oq = int64_t{b} * vq.s[0] + int64_t{h} * vq.s[2] + row0 * sq + nc * snq;
       int64_t ok = int64_t{b} * vk.s[0] + int64_t{h} * vk.s[2] + row0 * sk + nc * snk;
       for (int row = tid >> lgQ; row < TL; row += rs, oq += rs * sq, ok += rs * sk) {
-        const int e = (row << lgN) + nc;
+        const int e = row * ldq + nc;
         store4(vq, oq, snq, a.vec_dq, *reinterpret_cast<const float4*>(dqh + e));
         store4(vk, ok, snk, a.vec_dk, *reinterpret_cast<const float4*>(dkh + e));
       }
@@ -1515,7 +1595,30 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         st(v, off, x.x), st(v, off + sn, x.y), st(v, off + 2 * sn, x.z), st(v, off + 3 * sn, x.w);
       });
     }
-    bb_sync();  // shared memory is rewritten for the next chunk
+    // The chunk's DMIMO_V partial, sum_i dx[i R + r][p] v[b, s0 + i, h, p] (e = r P + p), in
+    // this phase rather than before the barrier above (it reads dx and v only; dx lives over x
+    // until the next chunk's phase 0): its serial chain of L global loads per thread kept the
+    // warps that ran it (R P threads of 512) behind the others there. From the last thread down:
+    // stage_chunk's segsum / qk_dot loads run on the first threads.
+    for (int e = NT - 1 - tid; e < (R << lgP); e += NT) {
+      const int r = e >> lgP, p = e & (P - 1);
+      // dx row i R + r and v[b, s0 + i, h, p] through pointers stepped per step (the dx index
+      // was formed by shifts, the v offset by a 64-bit multiply, per element); the same
+      // elements, values (ld_t's) and summation order.
+      const int64_t vs1 = a.v.s[1];
+      const unsigned short* pv =
+          reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
+      const float* px = dx + r * ldx + p;
+      float acc = 0.f;
+#pragma unroll 4  // (the default 16 adds ~150 instructions of remainder code for 16-step chunks)
+      for (int i = 0; i < L; ++i, px += R * ldx, pv += vs1)
+        acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
+      a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
+    }
+    // The next chunk's per-step inputs (their last readers, the DQ / DK loop, are behind the
+    // barrier above; the store loop reads only dqh, dkh).
+    if (item + bb_nblocks() < total) stage_chunk(item + bb_nblocks());
+    bb_sync();  // shared memory is rewritten for the next chunk; the staged inputs are visible
   }
 }
 

@@ -25,8 +25,9 @@
 //   increment_body and chunk_body stay for the rest (fp16 activations among them: see
 //   make_plan).
 //   K4: sums those partials over the chunks in a fixed order (compensated): DMIMO_V, DD.
-// Determinism: every reduction runs in one thread or through a fixed-shape block tree; nothing
-// depends on scheduling (no atomics), so repeated calls give identical bits.
+// Determinism: every reduction runs in one thread or through a fixed-shape block tree (shared
+// memory, or warp-shuffle butterflies); nothing depends on scheduling (no atomics), so repeated
+// calls give identical bits.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -97,6 +98,10 @@ constexpr int kIncPlanesThreads = 256;     // K1 on planes: ~50 KB per CTA, seve
 constexpr int kPlanesWarps = kPlanesThreads / 32;
 constexpr int kPlanesTilesPerWarp = 2;     // 16 x 16 tiles of dqh, dkh, dx kept per warp
 constexpr int64_t kPlanesSmemMax = 227 * 1024;  // the H100 / H200 per-block opt-in limit
+// Row padding (elements) of the planes: conflict-free ldmatrix rows. The planes K3's fp32
+// [T][N] / [T][P] matrices over a dead plane pair (dqh, dkh, dx) take the same row stride in
+// floats (a pair's bytes per row): its 8-byte tile stores are then conflict-free too.
+constexpr int kPlanesPad = 8;
 
 struct PlanesLayout {
   int ldN = 0, ldP = 0, ldT = 0;  // row strides (elements) of the [.][N], [.][P], [.][T] planes
@@ -105,12 +110,12 @@ struct PlanesLayout {
   int plT_N = 0, plT_P = 0, plN_P = 0, plT_T = 0;
   // bf16 hi/lo planes (hi plane, then lo): qh, kh [T][ldN]; x, g (dPhiO) [T][ldP]; st [N][ldP]
   // (states[c], then dS_c); mc [T][ldT] (the coefficient matrix of the current product).
-  // Reused in phase 3 as fp32: dqh in qh, dkh in kh [T][N], dx in x [T][P].
+  // Reused in phase 3 as fp32: dqh in qh, dkh in kh [T][ldN], dx in x [T][ldP].
   int qh = 0, kh = 0, x = 0, g = 0, st = 0, mc = 0;
-  int kq = 0, xg = 0;  // fp32 [T][T]
+  int kq = 0, xg = 0;  // fp32 [T][ldT]
   // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
-  // [2 kPlanesThreads + 1] (block_sum2's tree, then the DDA total) and three per-row partial
-  // sums [T][N / 16][3].
+  // [2 kPlanesWarps + 1] (block_sum2's per-warp partials, then the DDA total) and three
+  // per-row partial sums [T][N / 16][3].
   int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0,
       W = 0;  // + exp(segsum) [C][C] (fp32)
   // q_bias, k_bias of the chunk's head [2][R][N] (fp32), staged once per chunk for phases 0
@@ -128,8 +133,8 @@ struct PlanesLayout {
 inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, int64_t A) {
   PlanesLayout L;
   const int64_t T = C * R;
-  L.ldN = static_cast<int>(N + 8), L.ldP = static_cast<int>(P + 8);  // + 8: conflict-free ldmatrix
-  L.ldT = static_cast<int>(T + 8);
+  L.ldN = static_cast<int>(N + kPlanesPad), L.ldP = static_cast<int>(P + kPlanesPad);
+  L.ldT = static_cast<int>(T + kPlanesPad);
   L.plT_N = static_cast<int>(T * L.ldN), L.plT_P = static_cast<int>(T * L.ldP);
   L.plN_P = static_cast<int>(N * L.ldP), L.plT_T = static_cast<int>(T * L.ldT);
   int64_t o = 0;
@@ -145,8 +150,8 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, in
   L.g = take(bf2 * T * L.ldP);
   L.st = take(bf2 * N * L.ldP);
   L.mc = take(bf2 * T * L.ldT);
-  L.kq = take(4 * T * T);
-  L.xg = take(4 * T * T);
+  L.kq = take(4 * T * L.ldT);  // fp32 rows padded as mc's (conflict-free tile stores)
+  L.xg = take(4 * T * L.ldT);
   L.dacs = take(4 * C);
   L.dt = take(4 * (C + 1));
   L.lam = take(4 * (C + 1));
@@ -155,7 +160,7 @@ inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, in
   L.ts = take(4 * C);
   L.gam = take(4 * C);
   L.qk = take(4 * C * R * R);
-  L.red = take(4 * (2 * kPlanesThreads + 1));  // block_sum2's tree and the DDA total
+  L.red = take(4 * (2 * kPlanesWarps + 1));  // block_sum2's warp partials and the DDA total
   L.part = take(4 * 3 * T * (N / 16));
   L.W = take(4 * C * C);
   L.qb = take(4 * 2 * R * N);
@@ -302,22 +307,6 @@ BB_DEV float block_sum(float v, float* red) {
     bb_sync();
   }
   const float total = red[0];
-  bb_sync();
-  return total;
-}
-
-// Two block sums in one tree (the same fixed order per value as block_sum, so the same bits;
-// half the barriers of two calls). red: 2 NT floats. Ends with a barrier.
-template <int NT>
-BB_DEV float2 block_sum2(float v0, float v1, float* red) {
-  const int tid = bb_tid();
-  red[tid] = v0, red[NT + tid] = v1;
-  bb_sync();
-  for (int s = NT / 2; s > 0; s >>= 1) {
-    if (tid < s) red[tid] += red[tid + s], red[NT + tid] += red[NT + tid + s];
-    bb_sync();
-  }
-  const float2 total = make_float2(red[0], red[NT]);
   bb_sync();
   return total;
 }
@@ -997,7 +986,7 @@ inline bool prefetch_allowed_by_env() {
   return allowed;
 }
 
-// MAMBA3_BB_SPECIALIZED=0: the planes K3 never takes its shape-specialised copies
+// MAMBA3_BB_SPECIALIZED=0: the planes K1 and K3 never take their shape-specialised copies
 // (mimo_bwd_bwd.cu; A/B runs and the bitwise-identity test). Read at every call (the choice
 // changes neither the workspace nor the outputs), so a test can compare both in one process.
 inline bool specialized_allowed_by_env() {

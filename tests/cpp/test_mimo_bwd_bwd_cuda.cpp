@@ -285,9 +285,9 @@ TEST(MimoBwdBwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
 #endif
 }
 
-// The planes K3 specialised to the reference shapes (compile-time N, P, R, C) gives the bits of
-// the generic planes K3 (MAMBA3_BB_SPECIALIZED=0) at each of those shapes, whole and partial
-// chunks, the three dout layouts in turn.
+// The planes K1 and K3 specialised to the reference shapes (compile-time N, P, R, C) give the
+// bits of the generic planes K1 and K3 (MAMBA3_BB_SPECIALIZED=0) at each of those shapes, whole
+// and partial chunks, the three dout layouts in turn.
 TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
   SKIP_WITHOUT_CUDA();
 #ifdef MAMBA3_GOLDEN_CUDA
