@@ -746,8 +746,8 @@ MB_DEV float* lean_ered(const AT& a, const MbLayout& L, float* sm) {
 }
 
 // The exchange's sums of a chunk into the Kahan partials: accumulator (kind, q) adds the sum
-// over t0 (in t0 order) of the chunk's partials, as the epilogue's own sums do; the (kind, q)
-// tasks are spread over the threads.
+// over t0 (in t0 order) of the chunk's partials; the (kind, q) tasks are spread over the
+// threads. Deferred, K3 calls it after the next barrier; else the epilogue after its own.
 template <int NT, class AT>
 MB_DEV void lean_epilogue_sums(const AT& a, const MbLayout& L, float* sm) {
   const bool ro = a.reduce_o, hz = a.has_z, hn = a.has_norm;
@@ -825,26 +825,15 @@ MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbC
   // that is off (no mimo_o, gate or norm) has only zero contributions and zero partials: skipped.
   float* ex = lean_ered<NT>(a, L, sm);
   const int RP = R * P;
-  const bool on[kParts] = {ro, hz, hn};
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (ro) ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
     if (hz) ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
     if (hn) ex[(2 * tstep + t0) * RP + r * P + p] = sn[r];
   }
-  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier (lean_epilogue_sums)
+  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier
   mb_sync();
-  for (int q = mb_tid(); q < RP; q += NT) {
-#pragma unroll
-    for (int kind = 0; kind < kParts; ++kind) {
-      if (!on[kind]) continue;
-      const float* e = ex + kind * tstep * RP + q;
-      float v = 0.f;
-      for (int j = 0; j < tstep; ++j) v += e[j * RP];
-      float* acc = sm + L.acc + kind * 2 * RP + q;
-      kahan_add(acc, acc + RP, v);
-    }
-  }
+  lean_epilogue_sums<NT>(a, L, sm);  // now: the same sums, in the same order
 }
 
 // lean_epilogue_r for the benchmark and training case (reduce-O, the gate, no norm, bf16 dz)
@@ -897,18 +886,9 @@ MB_DEV void lean_epilogue_gate_r(const AT& a, const MbLayout& L, float* sm, cons
     ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
     ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
   }
-  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier (lean_epilogue_sums)
+  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier
   mb_sync();
-  for (int q = mb_tid(); q < RP; q += NT) {
-#pragma unroll
-    for (int kind = 0; kind < 2; ++kind) {
-      const float* ek = ex + kind * tstep * RP + q;
-      float v = 0.f;
-      for (int j = 0; j < tstep; ++j) v += ek[j * RP];
-      float* acc = sm + L.acc + kind * 2 * RP + q;
-      kahan_add(acc, acc + RP, v);
-    }
-  }
+  lean_epilogue_sums<NT>(a, L, sm);  // now: the same sums, in the same order
 }
 
 template <int NT, bool FAST, class AT>
