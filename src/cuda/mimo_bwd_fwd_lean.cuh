@@ -630,33 +630,91 @@ MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTil
   }
 }
 
-// Y = diag(exp(da_cs)) Qh St + Sc X into the fp32 Y tile (row stride a.LP).
-template <int NT, class AT>
-MB_DEV void lean_y(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt) {
-  const int T = a.Tb, lgR = a.lgR, N = a.N, LP = a.LP, lgn = a.lgP - 4, ntp = a.P >> 4;
-  const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
+// Y = diag(exp(da_cs)) Qh St + Sc X into the fp32 Y tile (row stride a.LP), one 16 x 16 tile
+// (tile = row block m, column block n: m P / 16 + n) in two halves: lean_y_qst, acc = diag(e)
+// Qh St (needs only the builds and the state planes), then lean_y_sx, acc += Sc X and the
+// stores (needs the scores).
+template <class AT>
+MB_DEV void lean_y_qst(const AT& a, const MbLayout& L, const float* sm, const LeanTiles& tt,
+                       int tile, float (&acc)[2][4]) {
+  const int lgR = a.lgR, N = a.N, lgn = a.lgP - 4, ntp = a.P >> 4;
+  const int g = (mb_tid() & 31) >> 2;
   const float* expda = sm + L.expda;
+  const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
+  zero_acc(acc);
+  lean_mma<false, true>(acc, tt.Qh, m0, tt.St, n0, N >> 4);
+  const float e0 = expda[(m0 + g) >> lgR], e1 = expda[(m0 + g + 8) >> lgR];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    acc[j][0] *= e0, acc[j][1] *= e0;
+    acc[j][2] *= e1, acc[j][3] *= e1;
+  }
+}
+
+template <class AT>
+MB_DEV void lean_y_sx(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt, int tile,
+                      float (&acc)[2][4]) {
+  const int T = a.Tb, lgR = a.lgR, LP = a.LP, lgn = a.lgP - 4, ntp = a.P >> 4;
+  const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
   float* Y = sm + L.Y;
-  for (int tile = mb_tid() >> 5; tile < (T >> 4) << lgn; tile += NT / 32) {
-    const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
+  const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
+  // Keys up to the tile's last step (Sc is zero past it).
+  const int k1 = min(T, (((((m0 + 15) >> lgR) + 1) << lgR) + 15) & ~15);
+  lean_mma<false, true>(acc, tt.Sc, m0, tt.X, n0, k1 >> 4);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = n0 + 8 * j + 2 * q;
+    *reinterpret_cast<float2*>(Y + (m0 + g) * LP + col) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(Y + (m0 + g + 8) * LP + col) = make_float2(acc[j][2], acc[j][3]);
+  }
+}
+
+// How many Y tiles (the last ones: the largest Sc X halves) have their Qh St half computed
+// during the scores, by the warps that hold no live score tile: lean_scores gives the
+// nt (nt + 1) / 2 lower-triangle tiles (all live; with R <= 16 every upper one is masked) to
+// warps 0 .. in its first round, so with fewer of them than warps the warps from nt (nt + 1) / 2
+// up have only masked tiles (zero stores). Why: with T = 32 (C R = 8 x 4) only 3 of 16 warps
+// compute scores, while lean_y's Qh St halves (N / 16 k-steps each) waited for them at the
+// barrier. Each tile is still one accumulator chain in the same order (the same bits).
+// HOLD false: none (the 8-tile states, at their register limit).
+template <int NT, bool HOLD, class AT>
+MB_DEV int lean_y_held(const AT& a) {
+  if constexpr (!HOLD) {
+    return 0;
+  } else {
+    constexpr int NW = NT / 32;
+    const int nt = a.Tb >> 4, live = nt * (nt + 1) / 2, ny = nt << (a.lgP - 4);
+    if (a.R > 16 || live >= NW) return 0;
+    return min(NW - live, ny);
+  }
+}
+
+// Before the barrier after the scores: the Qh St half of this warp's held tile into acc; its
+// index, or -1 without one.
+template <int NT, bool HOLD, class AT>
+MB_DEV int lean_y_pre(const AT& a, const MbLayout& L, const float* sm, const LeanTiles& tt,
+                      float (&acc)[2][4]) {
+  const int held = lean_y_held<NT, HOLD>(a);
+  if (held == 0) return -1;
+  const int nt = a.Tb >> 4, live = nt * (nt + 1) / 2, ny = nt << (a.lgP - 4);
+  const int w = mb_tid() >> 5;
+  if (w < live || w >= live + held) return -1;
+  const int tile = ny - held + (w - live);
+  lean_y_qst(a, L, sm, tt, tile, acc);
+  return tile;
+}
+
+// After it: the held tile's Sc X half, then the other tiles whole (on warps 0 .., those with
+// the live score tiles first).
+template <int NT, bool HOLD, class AT>
+MB_DEV void lean_y(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt, int held_tile,
+                   float (&hacc)[2][4]) {
+  if (held_tile >= 0) lean_y_sx(a, L, sm, tt, held_tile, hacc);
+  const int rest = ((a.Tb >> 4) << (a.lgP - 4)) - lean_y_held<NT, HOLD>(a);
+  for (int tile = mb_tid() >> 5; tile < rest; tile += NT / 32) {
     float acc[2][4];
-    zero_acc(acc);
-    lean_mma<false, true>(acc, tt.Qh, m0, tt.St, n0, N >> 4);
-    const float e0 = expda[(m0 + g) >> lgR], e1 = expda[(m0 + g + 8) >> lgR];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      acc[j][0] *= e0, acc[j][1] *= e0;
-      acc[j][2] *= e1, acc[j][3] *= e1;
-    }
-    // Keys up to the tile's last step (Sc is zero past it).
-    const int k1 = min(T, (((((m0 + 15) >> lgR) + 1) << lgR) + 15) & ~15);
-    lean_mma<false, true>(acc, tt.Sc, m0, tt.X, n0, k1 >> 4);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int col = n0 + 8 * j + 2 * q;
-      *reinterpret_cast<float2*>(Y + (m0 + g) * LP + col) = make_float2(acc[j][0], acc[j][1]);
-      *reinterpret_cast<float2*>(Y + (m0 + g + 8) * LP + col) = make_float2(acc[j][2], acc[j][3]);
-    }
+    lean_y_qst(a, L, sm, tt, tile, acc);
+    lean_y_sx(a, L, sm, tt, tile, acc);
   }
 }
 
@@ -1183,8 +1241,11 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     if constexpr (ST < 8)
       if (a.prefetch && c + 1 < c1) lean_prefetch_chunk<NT, true, true, true>(a, k, c + 1);
     lean_scores<NT>(a, L, sm, tt, k, c, Dv);
+    // The held Y tiles' Qh St halves (see lean_y_held; not with 8 state tiles per warp).
+    float yacc[2][4];
+    const int ytile = lean_y_pre<NT, (ST < 8)>(a, L, sm, tt, yacc);
     mb_sync();
-    lean_y<NT>(a, L, sm, tt);
+    lean_y<NT, (ST < 8)>(a, L, sm, tt, ytile, yacc);
     mb_sync();
     // The norm statistics and the epilogue read none of the scalar regions nor the table.
     if (c + 1 < c1) {
