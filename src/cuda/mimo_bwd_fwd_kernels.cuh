@@ -1351,7 +1351,12 @@ inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bo
     l.St = planes(N, P);
     l.ScT = planes(T, T);
     l.Y = take(T * mb_stride(P));
-    l.W = take(C * C);
+    // The intra-chunk weights in the Y tile when they fit (C <= R mb_stride(P): every shape of
+    // SPEC.md's grid): K3 writes W after the barrier that ends the previous chunk's reads of Y
+    // (its epilogue) and reads it in the scores, before lean_y writes Y. Why: the C C floats
+    // (16 KB at C = 64) kept the cos / sin table out of shared memory at N128 P64 R1 C64, whose
+    // q / k build then ran four rolled sincosf with their angle loads per task.
+    l.W = C * C <= T * mb_stride(P) ? l.Y : take(C * C);
   }
   l.da = take(C);
   l.expda = take(C);
