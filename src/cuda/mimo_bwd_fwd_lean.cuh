@@ -784,23 +784,20 @@ MB_DEV void lean_norm_stats(const AT& a, const MbLayout& L, float* sm, int Lc) {
 
 // Where the epilogue's per-thread partials are exchanged (ered[kind][t0][r][p], kind slots
 // 0 .. 2 for mimo_o, the gate, the norm), and whether their sums wait for the next chunk.
-// Deferred (lean_defer_sums: the Sc planes hold the slots of the kinds that can be on): in the
-// Sc planes, which are dead from the end of lean_y until the next chunk's scores write them.
-// The epilogue then has no barrier of its own: each warp goes on to its state update when its
-// steps are done, and the sums run after the next chunk's first barrier (lean_epilogue_sums),
-// or after the segment's last chunk. Why: at the exchange barrier every warp waited for the
-// slowest one's epilogue (K3's largest barrier stall, ncu). Otherwise: in L.ered, summed after
-// a barrier in the epilogue. The same sums in the same order either way (the same bits).
-template <int NT, class AT>
-MB_DEV bool lean_defer_sums(const AT& a) {
-  const int slots = a.has_norm ? 3 : a.has_z ? 2 : 1;
-  const int T = a.C * a.R;  // = Tb on the lean path
-  return T * (T + 8) >= slots * a.R * NT;  // the Sc planes: T rows of T + 8 bf16 pairs
-}
+// Deferred (the plan's layout_lean put the exchange, L.ered, in the Sc planes, enlarged where
+// they hold fewer than the slots of the kinds that are on): the Sc planes are dead from the end
+// of lean_y until the next chunk's scores write them. The epilogue then has no barrier of its
+// own: each warp goes on to its state update when its steps are done, and the sums run after
+// the next chunk's first barrier (lean_epilogue_sums), or after the segment's last chunk. Why:
+// at the exchange barrier every warp waited for the slowest one's epilogue (K3's largest
+// barrier stall, ncu); the enlarged planes bring that to the C R = 32 shapes and to R = 8.
+// Otherwise: in L.ered (other planes), summed after a barrier in the epilogue. The same sums in
+// the same order either way (the same bits).
+MB_DEV bool lean_defer_sums(const MbLayout& L) { return L.ScT >= 0 && L.ered == L.ScT; }
 
 template <int NT, class AT>
-MB_DEV float* lean_ered(const AT& a, const MbLayout& L, float* sm) {
-  return sm + (lean_defer_sums<NT>(a) ? L.ScT : L.ered);
+MB_DEV float* lean_ered(const AT&, const MbLayout& L, float* sm) {
+  return sm + L.ered;
 }
 
 // The exchange's sums of a chunk into the Kahan partials: accumulator (kind, q) adds the sum
@@ -889,7 +886,7 @@ MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbC
     if (hz) ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
     if (hn) ex[(2 * tstep + t0) * RP + r * P + p] = sn[r];
   }
-  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier
+  if (lean_defer_sums(L)) return;  // summed after the next barrier
   mb_sync();
   lean_epilogue_sums<NT>(a, L, sm);  // now: the same sums, in the same order
 }
@@ -944,7 +941,7 @@ MB_DEV void lean_epilogue_gate_r(const AT& a, const MbLayout& L, float* sm, cons
     ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
     ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
   }
-  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier
+  if (lean_defer_sums(L)) return;  // summed after the next barrier
   mb_sync();
   lean_epilogue_sums<NT>(a, L, sm);  // now: the same sums, in the same order
 }
@@ -1215,7 +1212,7 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
   // a barrier of their own (the second barrier per chunk before the tile builds).
   chunk_scalars(a, L, sm, k, c0);
   lean_chunk_angles<NT>(a, L, sm, k, c0);
-  const bool defer = lean_defer_sums<NT>(a);
+  const bool defer = lean_defer_sums(L);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
