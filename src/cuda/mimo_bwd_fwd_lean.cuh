@@ -241,7 +241,8 @@ MB_DEV void lean_chunk_pre_store(const AT& a, const MbLayout& L, float* sm, cons
 }
 
 // Asks L2 for the rows chunk c's builds will read: k (and with Q, q) [C R rows of N], v [C of
-// P], with X the gate's z [C of P] and dout [C, or C R, of P], the angles [C of A]. Called one
+// P], with X the gate's z [C of P], dout [C, or C R, of P] and (a full chunk) the segsum rows
+// of the weights [C of C], the angles [C of A]. Called one
 // chunk ahead (why: every chunk's builds otherwise waited on HBM for their rows before any
 // product could start; the second pass's K3 gained 4-7% from the same hint). One row per task;
 // a row's lines by its 128-byte spans (by elements where the columns are strided). Rows past
@@ -252,8 +253,9 @@ MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), R = a.R, lgR = a.lgR, LR = Lc * R;
   const bool hz = X && a.has_z, ro = a.reduce_o;
   const int g_k = LR, g_q = g_k + (Q ? LR : 0), g_v = g_q + Lc, g_z = g_v + (hz ? Lc : 0),
-            g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (a.angles.p ? Lc : 0);
-  for (int e = REV ? NT - 1 - mb_tid() : mb_tid(); e < g_a; e += NT) {
+            g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (a.angles.p ? Lc : 0),
+            g_s = g_a + (X && Lc == a.C ? a.C : 0);
+  for (int e = REV ? NT - 1 - mb_tid() : mb_tid(); e < g_s; e += NT) {
     const MbView* v;
     int64_t off, stride;
     int cnt;
@@ -277,9 +279,13 @@ MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
               k.h * o.s[3];
         stride = o.s[4];
       }
-    } else {  // angles [B, S, H, A]
+    } else if (e < g_a) {  // angles [B, S, H, A]
       v = &a.angles, cnt = a.A;
       off = k.b * v->s[0] + (s0 + e - g_d) * v->s[1] + k.h * v->s[2], stride = v->s[3];
+    } else {  // segsum [B, H, nch, C, C], row t (lean_chunk_weights reads its s < t)
+      v = &a.segsum, cnt = a.C;
+      off = k.b * v->s[0] + k.h * v->s[1] + static_cast<int64_t>(c) * v->s[2] + (e - g_a) * v->s[3];
+      stride = v->s[4];
     }
     mb_prefetch_row(v->p, v->dt == 2 ? 4 : 2, off, stride, cnt);
   }
@@ -474,24 +480,35 @@ MB_DEV void lean_build_x(const AT& a, const MbLayout& L, float* sm, const LeanTi
 // threads from the last down (element e on thread NT - 1 - e): the X build that follows runs on
 // the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 (the reference shape: 256
 // of 512 each) the two loops and their global loads run on different warps before the barrier.
+// A thread's elements in groups of four: the group's loads first, then its exponentials and
+// stores. Why: one element at a time, each load sat in its own branch and waited for the
+// previous element's store, so at C = 64 (8 elements per thread) every warp waited on 8 memory
+// round trips in series before the barrier that ends the builds.
 template <int NT, bool REV = false, class AT>
 MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
-  const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C);
+  const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C), CC = C * C;
   const bool partial = a.S - s0 < C;
   const MbView& v = a.segsum;
   const int64_t s3 = v.s[3], s4 = v.s[4];
   const int64_t base = k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(c) * v.s[2];
   const int u = REV ? NT - 1 - mb_tid() : mb_tid();
+  constexpr int G = 4;
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
-    for (int e = u; e < C * C; e += NT) {
-      const int t = e >> lgC, s = e & (C - 1);
-      float w = 0.f;
-      if (s < t) {
-        const float seg = partial ? sm[L.da + t] - sm[L.da + s] : mb_ldt<DT>(v.p, base + t * s3 + s * s4, v.dt);
-        w = sm[L.tscale + s] * expf(seg);
+    for (int e0 = u; e0 < CC; e0 += G * NT) {
+      float seg[G];
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int e = e0 + j * NT, t = e >> lgC, s = e & (C - 1);
+        seg[j] = 0.f;
+        if (e < CC && s < t)
+          seg[j] = partial ? sm[L.da + t] - sm[L.da + s] : mb_ldt<DT>(v.p, base + t * s3 + s * s4, v.dt);
       }
-      sm[L.W + e] = w;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int e = e0 + j * NT, t = e >> lgC, s = e & (C - 1);
+        if (e < CC) sm[L.W + e] = s < t ? sm[L.tscale + s] * expf(seg[j]) : 0.f;
+      }
     }
   });
 }
