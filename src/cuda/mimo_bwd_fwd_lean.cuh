@@ -409,12 +409,21 @@ MB_DEV void lean_build_qk(const AT& a, const MbLayout& L, float* sm, const LeanT
 // X = v * mimo_v (if X) and Xw = X * w (state-update weight) of chunk c, split; with X, also
 // stages the epilogue's z and dout rows (raw bf16, exact; two per float of shared memory) so
 // that their loads overlap the tile loads instead of stalling the epilogue. One task = four
-// adjacent columns p .. p + 3 of one step t (every rank).
+// adjacent columns p .. p + 3 of one step t and a group of R / G ranks: with fewer than NT
+// (step, column) pairs, each pair's ranks are split over G threads (G a power of two <= R, the
+// most with G C P / 4 <= NT); group 0 stages z and, with reduce-O, group G - 1 dout. Why: with
+// every rank on one thread, at C = 8 the X build (R rank rows per task: 8 at R = 8) ran on the
+// first C P / 4 threads only (4 of 16 warps at P = 64) and held every other warp at the
+// barrier that ends the builds. The same values (each element's products as before).
 template <int NT, bool X, int LM, class AT>
 MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                            const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), C = a.C, R = a.R, P = a.P, Ppt = a.Ppt;
   const int ldP = tt.ldP, lg = a.lgP - 2;  // P / 4 tasks per step (P a power of two >= 16)
+  int lgG = 0;
+  while ((C << (lg + lgG + 1)) <= NT && (2 << lgG) <= R) ++lgG;
+  const int G = 1 << lgG, RG = R >> lgG, lgt = lg + lgG;
+  const int grp = (mb_tid() >> lg) & (G - 1), r0 = grp * RG;
   const int p = (mb_tid() & ((P >> 2) - 1)) << 2;
   const bool hz = a.has_z, ro = a.reduce_o;
   // LM > 0 implies unit column strides.
@@ -442,22 +451,22 @@ MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const Lean
   }
   uint2* zs = reinterpret_cast<uint2*>(sm + L.zs);
   uint2* ds = reinterpret_cast<uint2*>(sm + L.ds);
-  for (int t = mb_tid() >> lg; t < C; t += NT >> lg) {
+  for (int t = mb_tid() >> lgt; t < C; t += NT >> lgt) {
     const bool valid = t < Lc;
     const uint2 zero = make_uint2(0u, 0u);
     const uint2 vr = valid ? ld_raw4<LM>(vc + t * vs1, vsp) : zero;
     if (X) {
-      zs[(t * P + p) >> 2] = hz && valid ? ld_raw4<LM>(zc + t * zs1, zsp) : zero;
+      if (grp == 0) zs[(t * P + p) >> 2] = hz && valid ? ld_raw4<LM>(zc + t * zs1, zsp) : zero;
       if (ro) {
-        ds[(t * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1, dsp) : zero;
+        if (grp == G - 1) ds[(t * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1, dsp) : zero;
       } else {
-        for (int r = 0; r < R; ++r)
+        for (int r = r0; r < r0 + RG; ++r)
           ds[((t * R + r) * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1 + r * dsr, dsp) : zero;
       }
     }
     const float4 vv = bf4_f(vr);
     const float w = sm[L.wk + t];
-    for (int r = 0; r < R; ++r) {
+    for (int r = r0; r < r0 + RG; ++r) {
       const float4 mv = *reinterpret_cast<const float4*>(sm + L.mv + r * Ppt + p);
       const float x0 = vv.x * mv.x, x1 = vv.y * mv.y, x2 = vv.z * mv.z, x3 = vv.w * mv.w;
       const int e = (t * R + r) * ldP + p;
