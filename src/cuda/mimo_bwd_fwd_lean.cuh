@@ -165,7 +165,7 @@ MB_DEV void st_split4(__nv_bfloat16* base, int plane, int e, float x0, float x1,
 
 // cos / sin of chunk c's angles into the table ang[2][C][A] (rows past the sequence: 1 / 0).
 // Once per chunk and step, not once per rank and tile row.
-template <int NT, class AT>
+template <int NT, int G = 4, class AT>
 MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   if (L.ang < 0) return;  // no room for the table: lean_build_qk computes them itself
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), A = a.A, CA = a.C * A;
@@ -175,14 +175,33 @@ MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const M
   const int64_t s1 = v.s[1], s3 = v.s[3];
   const int64_t base = k.b * v.s[0] + static_cast<int64_t>(s0) * s1 + k.h * v.s[2];
   float* cst = sm + L.ang;
+  // A thread's elements in groups of G (4; 1 with 8 state tiles per warp, at their register
+  // limit): the group's angle loads first, then the sincosf. Why: one at a time each load
+  // waited for the previous element's sincosf (C A = 4 NT at N128 R1 C64: four memory round
+  // trips in series after lean_y's barrier). The same values.
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
-    for (int e = mb_tid(); e < CA; e += NT) {
-      const int t = pow2 ? e >> lgA : e / A, n = e - t * A;
-      float sn = 0.f, cs = 1.f;
-      if (t < Lc) sincosf(mb_ldt<DT>(v.p, base + t * s1 + n * s3, v.dt), &sn, &cs);
-      cst[e] = cs;
-      cst[CA + e] = sn;
+    for (int e0 = mb_tid(); e0 < CA; e0 += G * NT) {
+      float x[G];
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int e = e0 + j * NT, t = pow2 ? e >> lgA : e / A, n = e - t * A;
+        x[j] = 0.f;
+        if (e < CA && t < Lc) x[j] = mb_ldt<DT>(v.p, base + t * s1 + n * s3, v.dt);
+      }
+      // One rolled sincosf (as lean_build_qk_t: inlined copies need registers); the group's
+      // values shift down so that every index is a constant (registers, not local memory).
+#pragma unroll 1
+      for (int j = 0; j < G; ++j) {
+        const int e = e0 + j * NT, t = pow2 ? e >> lgA : e / A;
+        if (e >= CA) break;
+        float sn = 0.f, cs = 1.f;
+        if (t < Lc) sincosf(x[0], &sn, &cs);
+        cst[e] = cs;
+        cst[CA + e] = sn;
+#pragma unroll
+        for (int i = 0; i + 1 < G; ++i) x[i] = x[i + 1];
+      }
     }
   });
 }
@@ -415,13 +434,13 @@ MB_DEV void lean_build_qk(const AT& a, const MbLayout& L, float* sm, const LeanT
 // every rank on one thread, at C = 8 the X build (R rank rows per task: 8 at R = 8) ran on the
 // first C P / 4 threads only (4 of 16 warps at P = 64) and held every other warp at the
 // barrier that ends the builds. The same values (each element's products as before).
-template <int NT, bool X, int LM, class AT>
+template <int NT, bool X, int LM, bool SPLIT = true, class AT>
 MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                            const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), C = a.C, R = a.R, P = a.P, Ppt = a.Ppt;
   const int ldP = tt.ldP, lg = a.lgP - 2;  // P / 4 tasks per step (P a power of two >= 16)
   int lgG = 0;
-  while ((C << (lg + lgG + 1)) <= NT && (2 << lgG) <= R) ++lgG;
+  while (SPLIT && (C << (lg + lgG + 1)) <= NT && (2 << lgG) <= R) ++lgG;
   const int G = 1 << lgG, RG = R >> lgG, lgt = lg + lgG;
   const int grp = (mb_tid() >> lg) & (G - 1), r0 = grp * RG;
   const int p = (mb_tid() & ((P >> 2) - 1)) << 2;
@@ -476,11 +495,13 @@ MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const Lean
   }
 }
 
-template <int NT, bool X, class AT>
+// SPLIT false: every rank on one thread (K3 with 8 state tiles per warp, at its register limit:
+// the split spilled there).
+template <int NT, bool X, bool SPLIT = true, class AT>
 MB_DEV void lean_build_x(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                          const MbCta& k, int c) {
   with_ld(a.lean_ld, [&](auto M) {
-    lean_build_x_t<NT, X, decltype(M)::value>(a, L, sm, tt, k, c);
+    lean_build_x_t<NT, X, decltype(M)::value, SPLIT>(a, L, sm, tt, k, c);
   });
 }
 
@@ -489,11 +510,12 @@ MB_DEV void lean_build_x(const AT& a, const MbLayout& L, float* sm, const LeanTi
 // threads from the last down (element e on thread NT - 1 - e): the X build that follows runs on
 // the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 (the reference shape: 256
 // of 512 each) the two loops and their global loads run on different warps before the barrier.
-// A thread's elements in groups of four: the group's loads first, then its exponentials and
-// stores. Why: one element at a time, each load sat in its own branch and waited for the
-// previous element's store, so at C = 64 (8 elements per thread) every warp waited on 8 memory
-// round trips in series before the barrier that ends the builds.
-template <int NT, bool REV = false, class AT>
+// A thread's elements in groups of G (4; K3 passes 1 with 8 state tiles per warp, where the
+// group's registers spilled): the group's loads first, then its exponentials and stores. Why:
+// one element at a time, each load sat in its own branch and waited for the previous element's
+// store, so at C = 64 (8 elements per thread) every warp waited on 8 memory round trips in
+// series before the barrier that ends the builds.
+template <int NT, bool REV = false, int G = 4, class AT>
 MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C), CC = C * C;
   const bool partial = a.S - s0 < C;
@@ -501,7 +523,6 @@ MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const 
   const int64_t s3 = v.s[3], s4 = v.s[4];
   const int64_t base = k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(c) * v.s[2];
   const int u = REV ? NT - 1 - mb_tid() : mb_tid();
-  constexpr int G = 4;
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
     for (int e0 = u; e0 < CC; e0 += G * NT) {
@@ -1161,7 +1182,7 @@ MB_DEV void k1_lean_body(const AT& a, float* sm) {
   // Each chunk's scalars and cos / sin table are built during the previous chunk (see
   // k3_lean_body): one barrier per chunk fewer.
   chunk_scalars(a, L, sm, k, c0);
-  lean_chunk_angles<NT>(a, L, sm, k, c0);
+  lean_chunk_angles<NT, (ST < 8 ? 4 : 1)>(a, L, sm, k, c0);
   for (int c = c0; c < c1; ++c) {
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
@@ -1176,7 +1197,7 @@ MB_DEV void k1_lean_body(const AT& a, float* sm) {
     // Chunk c's scalars and table were last read above (before the barrier).
     if (c + 1 < c1) {
       chunk_scalars(a, L, sm, k, c + 1);
-      lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+      lean_chunk_angles<NT, (ST < 8 ? 4 : 1)>(a, L, sm, k, c + 1);
     }
     lean_state_update<NT>(a, tt, st, e);
   }
@@ -1237,7 +1258,7 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
   // loads overlap the other warps' epilogue and state update instead of stalling every warp at
   // a barrier of their own (the second barrier per chunk before the tile builds).
   chunk_scalars(a, L, sm, k, c0);
-  lean_chunk_angles<NT>(a, L, sm, k, c0);
+  lean_chunk_angles<NT, (ST < 8 ? 4 : 1)>(a, L, sm, k, c0);
   const bool defer = lean_defer_sums(L);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
@@ -1249,10 +1270,10 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     if (defer && c > c0) lean_epilogue_sums<NT>(a, L, sm);
     // Reversed (see lean_chunk_weights) but with 8 state tiles per warp: <512, 8> sits at its
     // 128-register limit and spilled with it.
-    lean_chunk_weights<NT, (ST < 8)>(a, L, sm, k, c);
+    lean_chunk_weights<NT, (ST < 8), (ST < 8 ? 4 : 1)>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
     lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
-    lean_build_x<NT, true>(a, L, sm, tt, k, c);
+    lean_build_x<NT, true, (ST < 8)>(a, L, sm, tt, k, c);
     mb_sync();
     // Chunk c + 1's scalar and angle loads in flight across the scores and lean_y (see
     // lean_chunk_pre_load; not with 8 state tiles per warp, at their register limit).
@@ -1276,7 +1297,7 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
         lean_chunk_pre_store<NT>(a, L, sm, k, c + 1, pre);
       } else {
         chunk_scalars(a, L, sm, k, c + 1);
-        lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+        lean_chunk_angles<NT, (ST < 8 ? 4 : 1)>(a, L, sm, k, c + 1);
       }
     }
     if (a.has_norm) lean_norm_stats<NT, (ST < 8)>(a, L, sm, Lc);
