@@ -1189,6 +1189,13 @@ MB_DEV void k1_lean_body(const AT& a, float* sm) {
     mb_sync();
     dec += sm[L.misc + 1];
     const float e = sm[L.misc];
+    // Chunk c + 1's scalar and angle loads in flight across the builds (lean_chunk_pre_load,
+    // as in K3; not with 8 state tiles per warp). Why: loaded after the barrier below, each
+    // warp waited on them (warp 0 on the scalars, then on its angle: two round trips) before
+    // its state update.
+    [[maybe_unused]] LeanChunkPre pre{};
+    if constexpr (ST < 8)
+      if (c + 1 < c1) pre = lean_chunk_pre_load<NT>(a, L, k, c + 1);
     lean_build_qk<NT, false>(a, L, sm, tt, k, c);
     lean_build_x<NT, false>(a, L, sm, tt, k, c);
     mb_sync();
@@ -1196,8 +1203,12 @@ MB_DEV void k1_lean_body(const AT& a, float* sm) {
     if (a.prefetch && c + 1 < c1) lean_prefetch_chunk<NT, false, false>(a, k, c + 1);
     // Chunk c's scalars and table were last read above (before the barrier).
     if (c + 1 < c1) {
-      chunk_scalars(a, L, sm, k, c + 1);
-      lean_chunk_angles<NT, (ST < 8 ? 4 : 1)>(a, L, sm, k, c + 1);
+      if constexpr (ST < 8) {
+        lean_chunk_pre_store<NT>(a, L, sm, k, c + 1, pre);
+      } else {
+        chunk_scalars(a, L, sm, k, c + 1);
+        lean_chunk_angles<NT, 1>(a, L, sm, k, c + 1);
+      }
     }
     lean_state_update<NT>(a, tt, st, e);
   }
