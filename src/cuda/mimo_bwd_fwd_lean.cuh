@@ -507,11 +507,11 @@ MB_DEV void lean_build_x(const AT& a, const MbLayout& L, float* sm, const LeanTi
 
 // Intra-chunk weights W[t][s] = tscale_s exp(segsum[t, s]) for s < t (0 elsewhere), as
 // chunk_weights (same values) with shifts (C a power of two) and a typed segsum load. REV: the
-// threads from the last down (element e on thread NT - 1 - e): the X build that follows runs on
-// the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 (the reference shape: 256
-// of 512 each) the two loops and their global loads run on different warps before the barrier.
-// A thread's elements in groups of G (4; K3 passes 1 with 8 state tiles per warp, where the
-// group's registers spilled): the group's loads first, then its exponentials and stores. Why:
+// threads from the last down (element e on thread NT - 1 - e): an X build without its rank split
+// runs on the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 the two loops and
+// their loads run on different warps (with the split the X build spreads over every warp).
+// A thread's elements in groups of G (4; K3 passes 1 with 8 state tiles per warp, at their
+// register limit): the group's loads first, then its exponentials and stores. Why:
 // one element at a time, each load sat in its own branch and waited for the previous element's
 // store, so at C = 64 (8 elements per thread) every warp waited on 8 memory round trips in
 // series before the barrier that ends the builds.
