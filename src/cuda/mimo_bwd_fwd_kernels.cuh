@@ -1330,7 +1330,7 @@ inline MbLayout layout_k5(int Np, int Pp, int R, int Cb) {
 // Shared-memory layout of the lean kernels (floats) for nt threads per CTA. The bf16 planes take
 // the general layout's tile fields: QhT -> Qh, KhT -> Kh, Khw -> Xw, ScT -> Sc.
 inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bool angles,
-                            bool full, int nt) {
+                            bool full, int nt, int defer_slots = 0) {
   MbLayout l;
   const int T = C * R;
   int off = 0;
@@ -1349,9 +1349,17 @@ inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bo
     l.QhT = planes(T, N);
     l.X = planes(T, P);
     l.St = planes(N, P);
-    l.ScT = planes(T, T);
+    // defer_slots > 0: the epilogue's exchange (that many kinds of R nt partials) goes to the
+    // Sc planes, enlarged where they are smaller, and is summed after the next chunk's first
+    // barrier (lean_defer_sums).
+    l.ScT = take(std::max(T * (T + 8), defer_slots * R * nt));
     l.Y = take(T * mb_stride(P));
-    l.W = take(C * C);
+    // The intra-chunk weights in the Y tile when they fit (C <= R mb_stride(P): every shape of
+    // SPEC.md's grid): K3 writes W after the barrier that ends the previous chunk's reads of Y
+    // (its epilogue) and reads it in the scores, before lean_y writes Y. Why: the C C floats
+    // (16 KB at C = 64) kept the cos / sin table out of shared memory at N128 P64 R1 C64, whose
+    // q / k build then ran four rolled sincosf with their angle loads per task.
+    l.W = C * C <= T * mb_stride(P) ? l.Y : take(C * C);
   }
   l.da = take(C);
   l.expda = take(C);
@@ -1366,9 +1374,11 @@ inline MbLayout layout_lean(int N, int P, int R, int C, int A, bool reduce_o, bo
     // Staged bf16 rows (two per float): z [C][P], dout [C][P] (reduce-O) or [C R][P].
     l.zs = take(C * P / 2);
     l.ds = take((reduce_o ? C : C * R) * P / 2);
-    // Per-thread partial sums exchanged in the epilogue: the Qh and X planes (adjacent) are
-    // dead by then.
-    l.ered = T * (N + 8) + T * (P + 8) >= 3 * R * nt ? l.QhT : take(3 * R * nt);
+    // Per-thread partial sums exchanged in the epilogue: deferred, in the Sc planes; else the
+    // Qh and X planes (adjacent), dead by then.
+    l.ered = defer_slots > 0                          ? l.ScT
+             : T * (N + 8) + T * (P + 8) >= 3 * R * nt ? l.QhT
+                                                        : take(3 * R * nt);
     l.qb = take(R * N);
     l.rstd = take(T);
     l.rdot = take(T);
@@ -1463,13 +1473,18 @@ inline MbPlan make_mimo_plan(const MbProblem& pr, const MbDevice& dev, int lean_
       if (!(pr.lean_io && (R & (R - 1)) == 0 && nt % P == 0 && (T == 16 || T == 32 || T == 64) &&
             N % 16 == 0 && P % 16 == 0 && st > 0))
         continue;
-      // With a per-chunk table of the angles' cos / sin when it fits, else without.
+      // With a per-chunk table of the angles' cos / sin when it fits, else without; with the
+      // epilogue's exchange deferred (its slots: mimo_o, the gate, the norm, as many as are on)
+      // when that fits too.
+      const int slots = pr.has_norm ? 3 : pr.has_z ? 2 : 1;
       bool fits = false;
       MbLayout l3, l1;
       for (int with_ang = 1; with_ang >= 0 && !fits; --with_ang) {
-        l3 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, true, nt);
-        l1 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, false, nt);
-        fits = static_cast<size_t>(l3.total) * 4 <= budget;
+        for (int defer = 1; defer >= 0 && !fits; --defer) {
+          l3 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, true, nt, defer ? slots : 0);
+          l1 = layout_lean(N, P, R, C, A, pr.reduce_o, with_ang, false, nt);
+          fits = static_cast<size_t>(l3.total) * 4 <= budget;
+        }
       }
       if (fits) {
         found = true;

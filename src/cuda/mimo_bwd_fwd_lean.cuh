@@ -165,7 +165,7 @@ MB_DEV void st_split4(__nv_bfloat16* base, int plane, int e, float x0, float x1,
 
 // cos / sin of chunk c's angles into the table ang[2][C][A] (rows past the sequence: 1 / 0).
 // Once per chunk and step, not once per rank and tile row.
-template <int NT, class AT>
+template <int NT, int G = 4, class AT>
 MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   if (L.ang < 0) return;  // no room for the table: lean_build_qk computes them itself
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), A = a.A, CA = a.C * A;
@@ -175,14 +175,33 @@ MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const M
   const int64_t s1 = v.s[1], s3 = v.s[3];
   const int64_t base = k.b * v.s[0] + static_cast<int64_t>(s0) * s1 + k.h * v.s[2];
   float* cst = sm + L.ang;
+  // A thread's elements in groups of G (4; 1 with 8 state tiles per warp, at their register
+  // limit): the group's angle loads first, then the sincosf. Why: one at a time each load
+  // waited for the previous element's sincosf (C A = 4 NT at N128 R1 C64: four memory round
+  // trips in series after lean_y's barrier). The same values.
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
-    for (int e = mb_tid(); e < CA; e += NT) {
-      const int t = pow2 ? e >> lgA : e / A, n = e - t * A;
-      float sn = 0.f, cs = 1.f;
-      if (t < Lc) sincosf(mb_ldt<DT>(v.p, base + t * s1 + n * s3, v.dt), &sn, &cs);
-      cst[e] = cs;
-      cst[CA + e] = sn;
+    for (int e0 = mb_tid(); e0 < CA; e0 += G * NT) {
+      float x[G];
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int e = e0 + j * NT, t = pow2 ? e >> lgA : e / A, n = e - t * A;
+        x[j] = 0.f;
+        if (e < CA && t < Lc) x[j] = mb_ldt<DT>(v.p, base + t * s1 + n * s3, v.dt);
+      }
+      // One rolled sincosf (as lean_build_qk_t: inlined copies need registers); the group's
+      // values shift down so that every index is a constant (registers, not local memory).
+#pragma unroll 1
+      for (int j = 0; j < G; ++j) {
+        const int e = e0 + j * NT, t = pow2 ? e >> lgA : e / A;
+        if (e >= CA) break;
+        float sn = 0.f, cs = 1.f;
+        if (t < Lc) sincosf(x[0], &sn, &cs);
+        cst[e] = cs;
+        cst[CA + e] = sn;
+#pragma unroll
+        for (int i = 0; i + 1 < G; ++i) x[i] = x[i + 1];
+      }
     }
   });
 }
@@ -241,7 +260,8 @@ MB_DEV void lean_chunk_pre_store(const AT& a, const MbLayout& L, float* sm, cons
 }
 
 // Asks L2 for the rows chunk c's builds will read: k (and with Q, q) [C R rows of N], v [C of
-// P], with X the gate's z [C of P] and dout [C, or C R, of P], the angles [C of A]. Called one
+// P], with X the gate's z [C of P], dout [C, or C R, of P] and (a full chunk) the segsum rows
+// of the weights [C of C], the angles [C of A]. Called one
 // chunk ahead (why: every chunk's builds otherwise waited on HBM for their rows before any
 // product could start; the second pass's K3 gained 4-7% from the same hint). One row per task;
 // a row's lines by its 128-byte spans (by elements where the columns are strided). Rows past
@@ -252,8 +272,9 @@ MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), R = a.R, lgR = a.lgR, LR = Lc * R;
   const bool hz = X && a.has_z, ro = a.reduce_o;
   const int g_k = LR, g_q = g_k + (Q ? LR : 0), g_v = g_q + Lc, g_z = g_v + (hz ? Lc : 0),
-            g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (a.angles.p ? Lc : 0);
-  for (int e = REV ? NT - 1 - mb_tid() : mb_tid(); e < g_a; e += NT) {
+            g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (a.angles.p ? Lc : 0),
+            g_s = g_a + (X && Lc == a.C ? a.C : 0);
+  for (int e = REV ? NT - 1 - mb_tid() : mb_tid(); e < g_s; e += NT) {
     const MbView* v;
     int64_t off, stride;
     int cnt;
@@ -277,9 +298,13 @@ MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
               k.h * o.s[3];
         stride = o.s[4];
       }
-    } else {  // angles [B, S, H, A]
+    } else if (e < g_a) {  // angles [B, S, H, A]
       v = &a.angles, cnt = a.A;
       off = k.b * v->s[0] + (s0 + e - g_d) * v->s[1] + k.h * v->s[2], stride = v->s[3];
+    } else {  // segsum [B, H, nch, C, C], row t (lean_chunk_weights reads its s < t)
+      v = &a.segsum, cnt = a.C;
+      off = k.b * v->s[0] + k.h * v->s[1] + static_cast<int64_t>(c) * v->s[2] + (e - g_a) * v->s[3];
+      stride = v->s[4];
     }
     mb_prefetch_row(v->p, v->dt == 2 ? 4 : 2, off, stride, cnt);
   }
@@ -403,12 +428,21 @@ MB_DEV void lean_build_qk(const AT& a, const MbLayout& L, float* sm, const LeanT
 // X = v * mimo_v (if X) and Xw = X * w (state-update weight) of chunk c, split; with X, also
 // stages the epilogue's z and dout rows (raw bf16, exact; two per float of shared memory) so
 // that their loads overlap the tile loads instead of stalling the epilogue. One task = four
-// adjacent columns p .. p + 3 of one step t (every rank).
-template <int NT, bool X, int LM, class AT>
+// adjacent columns p .. p + 3 of one step t and a group of R / G ranks: with fewer than NT
+// (step, column) pairs, each pair's ranks are split over G threads (G a power of two <= R, the
+// most with G C P / 4 <= NT); group 0 stages z and, with reduce-O, group G - 1 dout. Why: with
+// every rank on one thread, at C = 8 the X build (R rank rows per task: 8 at R = 8) ran on the
+// first C P / 4 threads only (4 of 16 warps at P = 64) and held every other warp at the
+// barrier that ends the builds. The same values (each element's products as before).
+template <int NT, bool X, int LM, bool SPLIT = true, class AT>
 MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                            const MbCta& k, int c) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), C = a.C, R = a.R, P = a.P, Ppt = a.Ppt;
   const int ldP = tt.ldP, lg = a.lgP - 2;  // P / 4 tasks per step (P a power of two >= 16)
+  int lgG = 0;
+  while (SPLIT && (C << (lg + lgG + 1)) <= NT && (2 << lgG) <= R) ++lgG;
+  const int G = 1 << lgG, RG = R >> lgG, lgt = lg + lgG;
+  const int grp = (mb_tid() >> lg) & (G - 1), r0 = grp * RG;
   const int p = (mb_tid() & ((P >> 2) - 1)) << 2;
   const bool hz = a.has_z, ro = a.reduce_o;
   // LM > 0 implies unit column strides.
@@ -436,22 +470,22 @@ MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const Lean
   }
   uint2* zs = reinterpret_cast<uint2*>(sm + L.zs);
   uint2* ds = reinterpret_cast<uint2*>(sm + L.ds);
-  for (int t = mb_tid() >> lg; t < C; t += NT >> lg) {
+  for (int t = mb_tid() >> lgt; t < C; t += NT >> lgt) {
     const bool valid = t < Lc;
     const uint2 zero = make_uint2(0u, 0u);
     const uint2 vr = valid ? ld_raw4<LM>(vc + t * vs1, vsp) : zero;
     if (X) {
-      zs[(t * P + p) >> 2] = hz && valid ? ld_raw4<LM>(zc + t * zs1, zsp) : zero;
+      if (grp == 0) zs[(t * P + p) >> 2] = hz && valid ? ld_raw4<LM>(zc + t * zs1, zsp) : zero;
       if (ro) {
-        ds[(t * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1, dsp) : zero;
+        if (grp == G - 1) ds[(t * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1, dsp) : zero;
       } else {
-        for (int r = 0; r < R; ++r)
+        for (int r = r0; r < r0 + RG; ++r)
           ds[((t * R + r) * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1 + r * dsr, dsp) : zero;
       }
     }
     const float4 vv = bf4_f(vr);
     const float w = sm[L.wk + t];
-    for (int r = 0; r < R; ++r) {
+    for (int r = r0; r < r0 + RG; ++r) {
       const float4 mv = *reinterpret_cast<const float4*>(sm + L.mv + r * Ppt + p);
       const float x0 = vv.x * mv.x, x1 = vv.y * mv.y, x2 = vv.z * mv.z, x3 = vv.w * mv.w;
       const int e = (t * R + r) * ldP + p;
@@ -461,22 +495,29 @@ MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const Lean
   }
 }
 
-template <int NT, bool X, class AT>
+// SPLIT false: every rank on one thread (K3 with 8 state tiles per warp, at its register limit:
+// the split spilled there).
+template <int NT, bool X, bool SPLIT = true, class AT>
 MB_DEV void lean_build_x(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
                          const MbCta& k, int c) {
   with_ld(a.lean_ld, [&](auto M) {
-    lean_build_x_t<NT, X, decltype(M)::value>(a, L, sm, tt, k, c);
+    lean_build_x_t<NT, X, decltype(M)::value, SPLIT>(a, L, sm, tt, k, c);
   });
 }
 
 // Intra-chunk weights W[t][s] = tscale_s exp(segsum[t, s]) for s < t (0 elsewhere), as
 // chunk_weights (same values) with shifts (C a power of two) and a typed segsum load. REV: the
-// threads from the last down (element e on thread NT - 1 - e): the X build that follows runs on
-// the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 (the reference shape: 256
-// of 512 each) the two loops and their global loads run on different warps before the barrier.
-template <int NT, bool REV = false, class AT>
+// threads from the last down (element e on thread NT - 1 - e): an X build without its rank split
+// runs on the first C P / 4 threads, so with C C and C P / 4 at most NT / 2 the two loops and
+// their loads run on different warps (with the split the X build spreads over every warp).
+// A thread's elements in groups of G (4; K3 passes 1 with 8 state tiles per warp, at their
+// register limit): the group's loads first, then its exponentials and stores. Why:
+// one element at a time, each load sat in its own branch and waited for the previous element's
+// store, so at C = 64 (8 elements per thread) every warp waited on 8 memory round trips in
+// series before the barrier that ends the builds.
+template <int NT, bool REV = false, int G = 4, class AT>
 MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
-  const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C);
+  const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C), CC = C * C;
   const bool partial = a.S - s0 < C;
   const MbView& v = a.segsum;
   const int64_t s3 = v.s[3], s4 = v.s[4];
@@ -484,14 +525,20 @@ MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const 
   const int u = REV ? NT - 1 - mb_tid() : mb_tid();
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
-    for (int e = u; e < C * C; e += NT) {
-      const int t = e >> lgC, s = e & (C - 1);
-      float w = 0.f;
-      if (s < t) {
-        const float seg = partial ? sm[L.da + t] - sm[L.da + s] : mb_ldt<DT>(v.p, base + t * s3 + s * s4, v.dt);
-        w = sm[L.tscale + s] * expf(seg);
+    for (int e0 = u; e0 < CC; e0 += G * NT) {
+      float seg[G];
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int e = e0 + j * NT, t = e >> lgC, s = e & (C - 1);
+        seg[j] = 0.f;
+        if (e < CC && s < t)
+          seg[j] = partial ? sm[L.da + t] - sm[L.da + s] : mb_ldt<DT>(v.p, base + t * s3 + s * s4, v.dt);
       }
-      sm[L.W + e] = w;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int e = e0 + j * NT, t = e >> lgC, s = e & (C - 1);
+        if (e < CC) sm[L.W + e] = s < t ? sm[L.tscale + s] * expf(seg[j]) : 0.f;
+      }
     }
   });
 }
@@ -630,33 +677,91 @@ MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTil
   }
 }
 
-// Y = diag(exp(da_cs)) Qh St + Sc X into the fp32 Y tile (row stride a.LP).
-template <int NT, class AT>
-MB_DEV void lean_y(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt) {
-  const int T = a.Tb, lgR = a.lgR, N = a.N, LP = a.LP, lgn = a.lgP - 4, ntp = a.P >> 4;
-  const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
+// Y = diag(exp(da_cs)) Qh St + Sc X into the fp32 Y tile (row stride a.LP), one 16 x 16 tile
+// (tile = row block m, column block n: m P / 16 + n) in two halves: lean_y_qst, acc = diag(e)
+// Qh St (needs only the builds and the state planes), then lean_y_sx, acc += Sc X and the
+// stores (needs the scores).
+template <class AT>
+MB_DEV void lean_y_qst(const AT& a, const MbLayout& L, const float* sm, const LeanTiles& tt,
+                       int tile, float (&acc)[2][4]) {
+  const int lgR = a.lgR, N = a.N, lgn = a.lgP - 4, ntp = a.P >> 4;
+  const int g = (mb_tid() & 31) >> 2;
   const float* expda = sm + L.expda;
+  const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
+  zero_acc(acc);
+  lean_mma<false, true>(acc, tt.Qh, m0, tt.St, n0, N >> 4);
+  const float e0 = expda[(m0 + g) >> lgR], e1 = expda[(m0 + g + 8) >> lgR];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    acc[j][0] *= e0, acc[j][1] *= e0;
+    acc[j][2] *= e1, acc[j][3] *= e1;
+  }
+}
+
+template <class AT>
+MB_DEV void lean_y_sx(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt, int tile,
+                      float (&acc)[2][4]) {
+  const int T = a.Tb, lgR = a.lgR, LP = a.LP, lgn = a.lgP - 4, ntp = a.P >> 4;
+  const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
   float* Y = sm + L.Y;
-  for (int tile = mb_tid() >> 5; tile < (T >> 4) << lgn; tile += NT / 32) {
-    const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
+  const int m0 = (tile >> lgn) << 4, n0 = (tile & (ntp - 1)) << 4;
+  // Keys up to the tile's last step (Sc is zero past it).
+  const int k1 = min(T, (((((m0 + 15) >> lgR) + 1) << lgR) + 15) & ~15);
+  lean_mma<false, true>(acc, tt.Sc, m0, tt.X, n0, k1 >> 4);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = n0 + 8 * j + 2 * q;
+    *reinterpret_cast<float2*>(Y + (m0 + g) * LP + col) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(Y + (m0 + g + 8) * LP + col) = make_float2(acc[j][2], acc[j][3]);
+  }
+}
+
+// How many Y tiles (the last ones: the largest Sc X halves) have their Qh St half computed
+// during the scores, by the warps that hold no live score tile: lean_scores gives the
+// nt (nt + 1) / 2 lower-triangle tiles (all live; with R <= 16 every upper one is masked) to
+// warps 0 .. in its first round, so with fewer of them than warps the warps from nt (nt + 1) / 2
+// up have only masked tiles (zero stores). Why: with T = 32 (C R = 8 x 4) only 3 of 16 warps
+// compute scores, while lean_y's Qh St halves (N / 16 k-steps each) waited for them at the
+// barrier. Each tile is still one accumulator chain in the same order (the same bits).
+// HOLD false: none (the 8-tile states, at their register limit).
+template <int NT, bool HOLD, class AT>
+MB_DEV int lean_y_held(const AT& a) {
+  if constexpr (!HOLD) {
+    return 0;
+  } else {
+    constexpr int NW = NT / 32;
+    const int nt = a.Tb >> 4, live = nt * (nt + 1) / 2, ny = nt << (a.lgP - 4);
+    if (a.R > 16 || live >= NW) return 0;
+    return min(NW - live, ny);
+  }
+}
+
+// Before the barrier after the scores: the Qh St half of this warp's held tile into acc; its
+// index, or -1 without one.
+template <int NT, bool HOLD, class AT>
+MB_DEV int lean_y_pre(const AT& a, const MbLayout& L, const float* sm, const LeanTiles& tt,
+                      float (&acc)[2][4]) {
+  const int held = lean_y_held<NT, HOLD>(a);
+  if (held == 0) return -1;
+  const int nt = a.Tb >> 4, live = nt * (nt + 1) / 2, ny = nt << (a.lgP - 4);
+  const int w = mb_tid() >> 5;
+  if (w < live || w >= live + held) return -1;
+  const int tile = ny - held + (w - live);
+  lean_y_qst(a, L, sm, tt, tile, acc);
+  return tile;
+}
+
+// After it: the held tile's Sc X half, then the other tiles whole (on warps 0 .., those with
+// the live score tiles first).
+template <int NT, bool HOLD, class AT>
+MB_DEV void lean_y(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt, int held_tile,
+                   float (&hacc)[2][4]) {
+  if (held_tile >= 0) lean_y_sx(a, L, sm, tt, held_tile, hacc);
+  const int rest = ((a.Tb >> 4) << (a.lgP - 4)) - lean_y_held<NT, HOLD>(a);
+  for (int tile = mb_tid() >> 5; tile < rest; tile += NT / 32) {
     float acc[2][4];
-    zero_acc(acc);
-    lean_mma<false, true>(acc, tt.Qh, m0, tt.St, n0, N >> 4);
-    const float e0 = expda[(m0 + g) >> lgR], e1 = expda[(m0 + g + 8) >> lgR];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      acc[j][0] *= e0, acc[j][1] *= e0;
-      acc[j][2] *= e1, acc[j][3] *= e1;
-    }
-    // Keys up to the tile's last step (Sc is zero past it).
-    const int k1 = min(T, (((((m0 + 15) >> lgR) + 1) << lgR) + 15) & ~15);
-    lean_mma<false, true>(acc, tt.Sc, m0, tt.X, n0, k1 >> 4);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int col = n0 + 8 * j + 2 * q;
-      *reinterpret_cast<float2*>(Y + (m0 + g) * LP + col) = make_float2(acc[j][0], acc[j][1]);
-      *reinterpret_cast<float2*>(Y + (m0 + g + 8) * LP + col) = make_float2(acc[j][2], acc[j][3]);
-    }
+    lean_y_qst(a, L, sm, tt, tile, acc);
+    lean_y_sx(a, L, sm, tt, tile, acc);
   }
 }
 
@@ -726,23 +831,20 @@ MB_DEV void lean_norm_stats(const AT& a, const MbLayout& L, float* sm, int Lc) {
 
 // Where the epilogue's per-thread partials are exchanged (ered[kind][t0][r][p], kind slots
 // 0 .. 2 for mimo_o, the gate, the norm), and whether their sums wait for the next chunk.
-// Deferred (lean_defer_sums: the Sc planes hold the slots of the kinds that can be on): in the
-// Sc planes, which are dead from the end of lean_y until the next chunk's scores write them.
-// The epilogue then has no barrier of its own: each warp goes on to its state update when its
-// steps are done, and the sums run after the next chunk's first barrier (lean_epilogue_sums),
-// or after the segment's last chunk. Why: at the exchange barrier every warp waited for the
-// slowest one's epilogue (K3's largest barrier stall, ncu). Otherwise: in L.ered, summed after
-// a barrier in the epilogue. The same sums in the same order either way (the same bits).
-template <int NT, class AT>
-MB_DEV bool lean_defer_sums(const AT& a) {
-  const int slots = a.has_norm ? 3 : a.has_z ? 2 : 1;
-  const int T = a.C * a.R;  // = Tb on the lean path
-  return T * (T + 8) >= slots * a.R * NT;  // the Sc planes: T rows of T + 8 bf16 pairs
-}
+// Deferred (the plan's layout_lean put the exchange, L.ered, in the Sc planes, enlarged where
+// they hold fewer than the slots of the kinds that are on): the Sc planes are dead from the end
+// of lean_y until the next chunk's scores write them. The epilogue then has no barrier of its
+// own: each warp goes on to its state update when its steps are done, and the sums run after
+// the next chunk's first barrier (lean_epilogue_sums), or after the segment's last chunk. Why:
+// at the exchange barrier every warp waited for the slowest one's epilogue (K3's largest
+// barrier stall, ncu); the enlarged planes bring that to the C R = 32 shapes and to R = 8.
+// Otherwise: in L.ered (other planes), summed after a barrier in the epilogue. The same sums in
+// the same order either way (the same bits).
+MB_DEV bool lean_defer_sums(const MbLayout& L) { return L.ScT >= 0 && L.ered == L.ScT; }
 
 template <int NT, class AT>
-MB_DEV float* lean_ered(const AT& a, const MbLayout& L, float* sm) {
-  return sm + (lean_defer_sums<NT>(a) ? L.ScT : L.ered);
+MB_DEV float* lean_ered(const AT&, const MbLayout& L, float* sm) {
+  return sm + L.ered;
 }
 
 // The exchange's sums of a chunk into the Kahan partials: accumulator (kind, q) adds the sum
@@ -831,7 +933,7 @@ MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbC
     if (hz) ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
     if (hn) ex[(2 * tstep + t0) * RP + r * P + p] = sn[r];
   }
-  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier
+  if (lean_defer_sums(L)) return;  // summed after the next barrier
   mb_sync();
   lean_epilogue_sums<NT>(a, L, sm);  // now: the same sums, in the same order
 }
@@ -886,7 +988,7 @@ MB_DEV void lean_epilogue_gate_r(const AT& a, const MbLayout& L, float* sm, cons
     ex[(0 * tstep + t0) * RP + r * P + p] = so[r];
     ex[(1 * tstep + t0) * RP + r * P + p] = sz[r];
   }
-  if (lean_defer_sums<NT>(a)) return;  // summed after the next barrier
+  if (lean_defer_sums(L)) return;  // summed after the next barrier
   mb_sync();
   lean_epilogue_sums<NT>(a, L, sm);  // now: the same sums, in the same order
 }
@@ -1080,13 +1182,20 @@ MB_DEV void k1_lean_body(const AT& a, float* sm) {
   // Each chunk's scalars and cos / sin table are built during the previous chunk (see
   // k3_lean_body): one barrier per chunk fewer.
   chunk_scalars(a, L, sm, k, c0);
-  lean_chunk_angles<NT>(a, L, sm, k, c0);
+  lean_chunk_angles<NT, (ST < 8 ? 4 : 1)>(a, L, sm, k, c0);
   for (int c = c0; c < c1; ++c) {
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
     k.b = mb_opaque(k0.b), k.h = mb_opaque(k0.h), k.g = mb_opaque(k0.g);
     mb_sync();
     dec += sm[L.misc + 1];
     const float e = sm[L.misc];
+    // Chunk c + 1's scalar and angle loads in flight across the builds (lean_chunk_pre_load,
+    // as in K3; not with 8 state tiles per warp). Why: loaded after the barrier below, each
+    // warp waited on them (warp 0 on the scalars, then on its angle: two round trips) before
+    // its state update.
+    [[maybe_unused]] LeanChunkPre pre{};
+    if constexpr (ST < 8)
+      if (c + 1 < c1) pre = lean_chunk_pre_load<NT>(a, L, k, c + 1);
     lean_build_qk<NT, false>(a, L, sm, tt, k, c);
     lean_build_x<NT, false>(a, L, sm, tt, k, c);
     mb_sync();
@@ -1094,8 +1203,12 @@ MB_DEV void k1_lean_body(const AT& a, float* sm) {
     if (a.prefetch && c + 1 < c1) lean_prefetch_chunk<NT, false, false>(a, k, c + 1);
     // Chunk c's scalars and table were last read above (before the barrier).
     if (c + 1 < c1) {
-      chunk_scalars(a, L, sm, k, c + 1);
-      lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+      if constexpr (ST < 8) {
+        lean_chunk_pre_store<NT>(a, L, sm, k, c + 1, pre);
+      } else {
+        chunk_scalars(a, L, sm, k, c + 1);
+        lean_chunk_angles<NT, 1>(a, L, sm, k, c + 1);
+      }
     }
     lean_state_update<NT>(a, tt, st, e);
   }
@@ -1156,8 +1269,8 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
   // loads overlap the other warps' epilogue and state update instead of stalling every warp at
   // a barrier of their own (the second barrier per chunk before the tile builds).
   chunk_scalars(a, L, sm, k, c0);
-  lean_chunk_angles<NT>(a, L, sm, k, c0);
-  const bool defer = lean_defer_sums<NT>(a);
+  lean_chunk_angles<NT, (ST < 8 ? 4 : 1)>(a, L, sm, k, c0);
+  const bool defer = lean_defer_sums(L);
   for (int c = c0; c < c1; ++c) {
     const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
     MbCta k = k0;  // per chunk, opaque (see mb_opaque)
@@ -1168,10 +1281,10 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     if (defer && c > c0) lean_epilogue_sums<NT>(a, L, sm);
     // Reversed (see lean_chunk_weights) but with 8 state tiles per warp: <512, 8> sits at its
     // 128-register limit and spilled with it.
-    lean_chunk_weights<NT, (ST < 8)>(a, L, sm, k, c);
+    lean_chunk_weights<NT, (ST < 8), (ST < 8 ? 4 : 1)>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
     lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
-    lean_build_x<NT, true>(a, L, sm, tt, k, c);
+    lean_build_x<NT, true, (ST < 8)>(a, L, sm, tt, k, c);
     mb_sync();
     // Chunk c + 1's scalar and angle loads in flight across the scores and lean_y (see
     // lean_chunk_pre_load; not with 8 state tiles per warp, at their register limit).
@@ -1183,8 +1296,11 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     if constexpr (ST < 8)
       if (a.prefetch && c + 1 < c1) lean_prefetch_chunk<NT, true, true, true>(a, k, c + 1);
     lean_scores<NT>(a, L, sm, tt, k, c, Dv);
+    // The held Y tiles' Qh St halves (see lean_y_held; not with 8 state tiles per warp).
+    float yacc[2][4];
+    const int ytile = lean_y_pre<NT, (ST < 8)>(a, L, sm, tt, yacc);
     mb_sync();
-    lean_y<NT>(a, L, sm, tt);
+    lean_y<NT, (ST < 8)>(a, L, sm, tt, ytile, yacc);
     mb_sync();
     // The norm statistics and the epilogue read none of the scalar regions nor the table.
     if (c + 1 < c1) {
@@ -1192,7 +1308,7 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
         lean_chunk_pre_store<NT>(a, L, sm, k, c + 1, pre);
       } else {
         chunk_scalars(a, L, sm, k, c + 1);
-        lean_chunk_angles<NT>(a, L, sm, k, c + 1);
+        lean_chunk_angles<NT, (ST < 8 ? 4 : 1)>(a, L, sm, k, c + 1);
       }
     }
     if (a.has_norm) lean_norm_stats<NT, (ST < 8)>(a, L, sm, Lc);

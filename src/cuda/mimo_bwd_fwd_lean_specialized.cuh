@@ -52,6 +52,10 @@ template <int N_, int P_, int R_, int C_>
 struct MbArgsCT : MbArgs {
   static constexpr int N = N_, P = P_, R = R_, C = C_, A = N_ / 4, half = N_ / 2;
   static constexpr int lgR = lean_lg2(R_), lgP = lean_lg2(P_);
+  // The lean plan's tiles: whole chunks (Tb = C R rows) and the whole P (Ppt = P; Y's row
+  // stride LP = mb_stride(P) = P + 8 for a power of two P >= 16). Why: the tile loops of the
+  // scores and lean_y and their k-step counts then fold (lean_specialized_shape checks them).
+  static constexpr int Tb = C_ * R_, Ppt = P_, LP = P_ + 8;
 };
 
 template <int NT, int ST, int N, int P, int R, int C>
@@ -74,9 +78,10 @@ template <int N, int P, int R, int C>
 bool lean_specialized_shape(const MbArgs& a, int nt, int st, LeanPair* out) {
   constexpr int NT = lean_nt_rule(N), ST = lean_state_tiles(N, P, NT);
   static_assert(ST > 0, "a lean shape");
-  if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4 || nt != NT || st != ST)
-    return false;
   using CT = MbArgsCT<N, P, R, C>;
+  if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4 || nt != NT || st != ST ||
+      a.Tb != CT::Tb || a.Ppt != CT::Ppt || a.LP != CT::LP)
+    return false;
   out->k1.kernel =
       reinterpret_cast<const void*>(mimo_lean_local_scan_ct_kernel<NT, ST, N, P, R, C>);
   out->k1.launch = [](const MbArgs& x, unsigned grid, int nthreads, int smem, cudaStream_t s) {

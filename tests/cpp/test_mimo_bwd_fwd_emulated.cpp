@@ -125,6 +125,7 @@ struct Shape {
   int sms = 132;      // the device's SM count (the segment plan depends on it)
   int want_st = 0;    // expected state tiles per warp (0: any)
   bool want_segments = false;  // expect nseg > 1 (K1 and K2 run)
+  int want_defer = -1;         // expect the epilogue's exchange deferred (1) or not (0)
 };
 
 std::string describe(const Shape& s) {
@@ -273,6 +274,8 @@ void check_case(const Shape& s, uint64_t seed) {
   ASSERT_EQ(pl.defer_epi, 0);
   if (s.want_st) EXPECT_EQ(pl.lean, s.want_st) << "state tiles per warp";
   if (s.want_segments) EXPECT_GT(pl.nseg, 1) << "segments";
+  if (s.want_defer >= 0)
+    EXPECT_EQ(pl.l3.ered == pl.l3.ScT, s.want_defer != 0) << "exchange deferred (Sc planes)";
   // Pair loads with even strides, loads of four elements with strides multiples of 4.
   EXPECT_EQ(mimo::mb_problem(p).lean_vec, s.pad % 2 == 0);
   EXPECT_EQ(mimo::mb_problem(p).lean_vec4, s.pad % 4 == 0);
@@ -404,6 +407,24 @@ TEST(MimoBwdFwdEmulated, ReferenceShapeShortSequence) {
     Shape s{1, 37, 1, 1, 128, 64, 4, 16, 4, true, true, true, false, 0, kF, kBF, 512};
     s.sms = sms, s.want_st = 2;
     check_case(s, 71 + sms);
+  }
+}
+
+// The epilogue's exchange deferred to the next chunk's first barrier (its partials in the Sc
+// planes, enlarged where those are smaller: C R = 32 at 256 threads, R = 8 without the norm)
+// and not (R = 8 with the norm: three kinds of 8 x 512 partials do not fit beside the tiles in
+// the H200's shared memory); a partial last chunk (21 = 2 x 8 + 5), one segment.
+TEST(MimoBwdFwdEmulated, ExchangeDeferredOrNot) {
+  struct Dc {
+    int64_t N, P, R, C;
+    bool norm;
+    int nt, defer;
+  };
+  for (const Dc& d : {Dc{16, 64, 4, 8, false, 256, 1}, Dc{128, 64, 8, 8, false, 512, 1},
+                      Dc{128, 64, 8, 8, true, 512, 0}}) {
+    Shape s{1, 21, 1, 1, d.N, d.P, d.R, d.C, 4, true, true, true, d.norm, 0, kF, kBF, d.nt};
+    s.sms = 1, s.want_defer = d.defer;
+    check_case(s, 81 + d.R + d.norm);
   }
 }
 

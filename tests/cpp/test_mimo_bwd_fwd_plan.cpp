@@ -86,11 +86,28 @@ TEST(MimoBwdFwdPlan, BenchmarkShapesOnH200) {
       ASSERT_TRUE(pl.ok) << name(s, pref);
       EXPECT_EQ(pl.nt, nt) << name(s, pref);
       EXPECT_EQ(pl.lean, expected_st(s.N, s.P, nt)) << name(s, pref);
+      // (the exchange deferred, in the Sc planes, for the three kinds: problem() has the norm)
+      const int defer_slots = pl.l3.ered == pl.l3.ScT ? 3 : 0;
       EXPECT_EQ(pl.smem3, static_cast<size_t>(mimo::layout_lean(s.N, s.P, s.R, s.C, s.N / 4, true,
-                                                                 pl.l3.ang >= 0, true, nt)
+                                                                 pl.l3.ang >= 0, true, nt,
+                                                                 defer_slots)
                                                    .total) * 4)
           << name(s, pref);
+      // The cos / sin table fits at every benchmark shape (the weights share the Y tile).
+      EXPECT_GE(pl.l3.ang, 0) << name(s, pref);
     }
+  }
+  // The exchange is deferred at the C R = 32 shapes (enlarged Sc planes) and, without the norm,
+  // at R = 8 (with it, its 3 R 512 floats do not fit there).
+  for (const Shape& s : {Shape{256, 64, 4, 8}, Shape{128, 128, 4, 8}, Shape{128, 64, 4, 16}}) {
+    const mimo::MbPlan pl = mimo::make_mimo_plan(problem(s), h200);
+    EXPECT_EQ(pl.l3.ered, pl.l3.ScT) << name(s, 0);
+  }
+  {
+    mimo::MbProblem pr = problem({128, 64, 8, 8});
+    EXPECT_NE(mimo::make_mimo_plan(pr, h200).l3.ered, mimo::make_mimo_plan(pr, h200).l3.ScT);
+    pr.has_norm = false;
+    EXPECT_EQ(mimo::make_mimo_plan(pr, h200).l3.ered, mimo::make_mimo_plan(pr, h200).l3.ScT);
   }
   // Spelled out: the smallest shape, and the shapes where 8 warps need 8 state tiles.
   EXPECT_EQ(mimo::make_mimo_plan(problem({16, 64, 4, 8}), h200).lean, 1);
