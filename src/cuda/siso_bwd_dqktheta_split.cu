@@ -45,6 +45,7 @@ constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline a
 
 struct SplitArgs : DqkTensors {
   int WH, WR, PB, nblk;
+  int tab_off;  // float offset of the bias table in shared memory (see the kernel)
   // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
   // dq_bias / dk_bias (else bias_reduce_kernel does, as for the other kernels).
   int fused;
@@ -146,14 +147,35 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   lp.ga = a.ga + static_cast<int64_t>(h) * a.sm_sh;
   lp.dqk = a.dqk + static_cast<int64_t>(h) * a.sm_sh;
 
-  // This lane's bias columns (float32; any dtype and stride).
-  float bq[8], bk[8];
+  // The group's q/k biases as float32 in shared memory, [head][q|k][N] behind the head terms,
+  // read back as float4 per run at each position: 16 registers per lane that were held for the
+  // whole kernel go to the load pipeline instead. The same float values as a load per lane.
+  float* const btab = smem + a.tab_off;
+  {
+    const int NV = HG * 2 * N;
+    constexpr int kF = 8;  // loads in flight per thread
+    for (int i0 = threadIdx.x; i0 < NV; i0 += kF * blockDim.x) {
+      float v[kF];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const int64_t n = e < 4 ? 4 * col + e : N / 2 + 4 * col + e - 4;
-    bq[e] = load_rt(a.qb + (h * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
-    bk[e] = load_rt(a.kb + (h * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb);
+      for (int u = 0; u < kF; ++u) {
+        const int i = i0 + u * static_cast<int>(blockDim.x);
+        const int64_t hh = g * HG + i / (2 * N), n = i % N;
+        v[u] = 0.f;
+        if (i < NV)
+          v[u] = (i / N) & 1
+                     ? load_rt(a.kb + (hh * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb)
+                     : load_rt(a.qb + (hh * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
+      }
+#pragma unroll
+      for (int u = 0; u < kF; ++u) {
+        const int i = i0 + u * static_cast<int>(blockDim.x);
+        if (i < NV) btab[i] = v[u];
+      }
+    }
+    __syncthreads();
   }
+  // This lane's bias runs: q run 0, run 1 at lb[0], lb[N4 / 2]; k's at lb[N4], lb[N4 + N4 / 2].
+  const float4* const lb = reinterpret_cast<const float4*>(btab) + head * 2 * N4 + col;
   float sq[8], sk[8];  // this lane's q/k bias gradient terms, summed over all its positions
 #pragma unroll
   for (int e = 0; e < 8; ++e) sq[e] = sk[e] = 0.f;
@@ -166,6 +188,14 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     E::template unpack<8>(u.k, kf);
     E::template unpack<8>(u.x, x);
     E::template unpack<8>(u.y, y);
+    float bq[8], bk[8];
+    {
+      const float4 q0 = lb[0], q1 = lb[N4 / 2], k0 = lb[N4], k1 = lb[N4 + N4 / 2];
+      bq[0] = q0.x, bq[1] = q0.y, bq[2] = q0.z, bq[3] = q0.w;
+      bq[4] = q1.x, bq[5] = q1.y, bq[6] = q1.z, bq[7] = q1.w;
+      bk[0] = k0.x, bk[1] = k0.y, bk[2] = k0.z, bk[3] = k0.w;
+      bk[4] = k1.x, bk[5] = k1.y, bk[6] = k1.z, bk[7] = k1.w;
+    }
     const float scl = u.sc, gd = u.dqk * u.ga;
     float dsc = 0.f, qkd = 0.f, dan[2], sn[2], cs[2];
     float* dqp = dqdk;
@@ -464,10 +494,13 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   const int W = WH == 1 ? 8 : 16;
   const int WR = W / WH;
   const int PB = WR * kUnits;
-  // Head terms [PB][2][HG][N] floats and the PB row offsets behind them.
-  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N * 4 + PB * 4 : 0;
+  // Head terms [PB][2][HG][N] floats and the PB row offsets behind them (padded to 16 bytes),
+  // then the bias table [HG][2][N] floats; the bias partials [WR][HG][2][N] at the end reuse
+  // the space.
+  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N + (PB + 3) / 4 * 4 : 0;
+  const size_t tab = static_cast<size_t>(HG) * 2 * N;
   const size_t fin = static_cast<size_t>(WR) * HG * 2 * N * 4;
-  const size_t smem = std::max(terms, fin);
+  const size_t smem = std::max((terms + tab) * 4, fin);
   const DeviceProps& dp = device_props(p.device_id);
   const size_t optin = static_cast<size_t>(std::max(0, dp.smem_optin));
   const size_t per_sm = static_cast<size_t>(std::max(0, dp.smem_per_sm));
@@ -492,6 +525,7 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   std::memset(&a, 0, sizeof(a));
   fill_dqk_tensors(a, p, ws);
   a.WH = WH, a.WR = WR, a.PB = PB, a.nblk = static_cast<int>(nblk);
+  a.tab_off = static_cast<int>(terms);
   a.fused = fused;
   a.dqb = static_cast<float*>(p.dq_bias.data), a.dkb = static_cast<float*>(p.dk_bias.data);
   a.dqb_sh = p.dq_bias.strides[0], a.dqb_sn = p.dq_bias.strides[1];
