@@ -41,7 +41,8 @@
 namespace mamba3::cuda::dqk {
 namespace {
 
-constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline alternates 2 buffers)
+// Positions per warp per block: a multiple of 3, the pipeline rotates three buffers.
+constexpr int kUnits = 3;
 
 struct SplitArgs : DqkTensors {
   int WH, WR, PB, nblk;
@@ -150,8 +151,9 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   // The group's q/k biases as float32 in shared memory, [head][q|k][N] behind the head terms,
   // read back as float4 per run at each position: 16 registers per lane that were held for the
   // whole kernel go to the load pipeline instead. The same float values as a load per lane.
+  // (Filled after the pipeline's first loads are issued, below.)
   float* const btab = smem + a.tab_off;
-  {
+  auto fill_bias_table = [&] {
     const int NV = HG * 2 * N;
     constexpr int kF = 8;  // loads in flight per thread
     for (int i0 = threadIdx.x; i0 < NV; i0 += kF * blockDim.x) {
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       }
     }
     __syncthreads();
-  }
+  };
   // This lane's bias runs: q run 0, run 1 at lb[0], lb[N4 / 2]; k's at lb[N4], lb[N4 + N4 / 2].
   const float4* const lb = reinterpret_cast<const float4*>(btab) + head * 2 * N4 + col;
   float sq[8], sk[8];  // this lane's q/k bias gradient terms, summed over all its positions
@@ -298,34 +300,42 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
 
   const int stride = static_cast<int>(gridDim.x);
   int blk = blockIdx.x;
-  Buf A, B;
-  Pos P = pos_of(blk * PB + wr * kUnits, a);
-  load_unit<N>(lp, P, A);
+  // Three-deep register pipeline: while unit i is computed, the loads of units i+1 and i+2 are
+  // in flight (two positions per warp instead of one: the kernel is bound by memory latency).
+  Buf A, B, Cb;
+  Pos P0 = pos_of(blk * PB + wr * kUnits, a);
+  load_unit<N>(lp, P0, A);
+  fill_bias_table();  // while those loads are in flight
+  Pos P1 = pos_next(P0, blk * PB + wr * kUnits + 1, a);
+  load_unit<N>(lp, P1, B);
   for (; blk < a.nblk; blk += stride) {
     const int row0 = blk * PB + wr * kUnits;
-    // Unit i of the block: prefetch unit i+1 (or the next block's first) into `fill`, compute
-    // unit i from `use`.
+    const int nrow0 = blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows;
+    // Unit i of the block: load unit i+2 (past the block: the next block's unit i+2-kUnits)
+    // into `fill`, compute unit i from `use`.
     auto step = [&](int i, const Buf& use, Buf& fill) {
-      Pos Pn;
-      if (i + 1 < kUnits) {
-        Pn = pos_next(P, row0 + i + 1, a);
-      } else {
-        Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a);
-      }
-      load_unit<N>(lp, Pn, fill);
-      float v[16];
-      compute(P, use, v);
-      if (WH == 1)
-        store_whole(P, v);
+      Pos P2;
+      if (i + 2 < kUnits)
+        P2 = pos_next(P1, row0 + i + 2, a);
+      else if (i + 2 == kUnits)
+        P2 = pos_of(nrow0, a);
       else
-        stage_terms(wr * kUnits + i, P, v);
-      P = Pn;
+        P2 = pos_next(P1, nrow0 + 1, a);
+      load_unit<N>(lp, P2, fill);
+      float v[16];
+      compute(P0, use, v);
+      if (WH == 1)
+        store_whole(P0, v);
+      else
+        stage_terms(wr * kUnits + i, P0, v);
+      P0 = P1, P1 = P2;
     };
-    static_assert(kUnits % 2 == 0, "the pipeline alternates two buffers");
+    static_assert(kUnits % 3 == 0, "the pipeline rotates three buffers");
 #pragma unroll
-    for (int i = 0; i < kUnits; i += 2) {
-      step(i, A, B);
+    for (int i = 0; i < kUnits; i += 3) {
+      step(i, A, Cb);
       step(i + 1, B, A);
+      step(i + 2, Cb, B);
     }
     if (WH > 1) {
       // dq/dk of the block: the HG head terms of each element summed as four interleaved
