@@ -96,33 +96,37 @@ __device__ __forceinline__ Pos pos_next(Pos p, int row_next, const SplitArgs& a)
 }
 
 // One position's inputs for this lane: runs 0 and 1 as two 16-bit pairs each (words 0-1, 2-3).
+// rs: one of the head's row scalars, by the lane's column (0: scale, 1: gamma, else dqk); the
+// row's lanes get all three by shuffles (one register per buffer instead of three).
 struct Buf {
   uint32_t q[4], k[4], x[4], y[4];
   uint32_t an[2];
-  float sc, ga, dqk;
+  float rs;
 };
 
-// This lane's base pointers: its head and columns folded in once.
+// This lane's head and columns folded in once: byte offsets into q/k (shared) and into
+// dq_in/dk_in (shared; the bases stay kernel parameters: one register each instead of two
+// 64-bit pointers per pair), pointers into the angles and its row scalar.
 struct LanePtrs {
-  const unsigned char *q, *k, *dqi, *dki;
-  const float *ang, *sc, *ga, *dqk;
+  int qo, go;
+  const float *ang, *rs;
 };
 
 template <int N>
-__device__ __forceinline__ void load_unit(const LanePtrs& l, const Pos& p, Buf& u) {
+__device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l, const Pos& p,
+                                          Buf& u) {
   constexpr int kH = N / 2 * 2;  // byte offset of run 1
-  ld_global_words<8>(l.q + p.oq * 2, u.q);
-  ld_global_words<8>(l.q + p.oq * 2 + kH, u.q + 2);
-  ld_global_words<8>(l.k + p.oq * 2, u.k);
-  ld_global_words<8>(l.k + p.oq * 2 + kH, u.k + 2);
-  ld_global_words<8>(l.dqi + p.og * 2, u.x);
-  ld_global_words<8>(l.dqi + p.og * 2 + kH, u.x + 2);
-  ld_global_words<8>(l.dki + p.og * 2, u.y);
-  ld_global_words<8>(l.dki + p.og * 2 + kH, u.y + 2);
+  const int oq = l.qo + p.oq * 2, og = l.go + p.og * 2;
+  ld_global_words<8>(a.q + oq, u.q);
+  ld_global_words<8>(a.q + oq + kH, u.q + 2);
+  ld_global_words<8>(a.k + oq, u.k);
+  ld_global_words<8>(a.k + oq + kH, u.k + 2);
+  ld_global_words<8>(a.dqi + og, u.x);
+  ld_global_words<8>(a.dqi + og + kH, u.x + 2);
+  ld_global_words<8>(a.dki + og, u.y);
+  ld_global_words<8>(a.dki + og + kH, u.y + 2);
   ld_global_words<8>(l.ang + p.oa, u.an);
-  u.sc = __ldg(l.sc + p.os);
-  u.ga = __ldg(l.ga + p.os);
-  u.dqk = __ldg(l.dqk + p.os);
+  u.rs = __ldg(l.rs + p.os);
 }
 
 template <class Tg, int N>
@@ -139,14 +143,10 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   const int head = wh * HR + hr;  // within the group
   const int h = g * HG + head;
   LanePtrs lp;
-  lp.q = a.q + (g * a.q_sg + 4 * col) * 2;
-  lp.k = a.k + (g * a.q_sg + 4 * col) * 2;
-  lp.dqi = a.dqi + (static_cast<int64_t>(h) * a.gi_sh + 4 * col) * 2;
-  lp.dki = a.dki + (static_cast<int64_t>(h) * a.gi_sh + 4 * col) * 2;
+  lp.qo = (g * a.q_sg + 4 * col) * 2;
+  lp.go = (h * a.gi_sh + 4 * col) * 2;
   lp.ang = a.ang + static_cast<int64_t>(h) * a.an_sh + 2 * col;
-  lp.sc = a.sc + static_cast<int64_t>(h) * a.sm_sh;
-  lp.ga = a.ga + static_cast<int64_t>(h) * a.sm_sh;
-  lp.dqk = a.dqk + static_cast<int64_t>(h) * a.sm_sh;
+  lp.rs = (col == 0 ? a.sc : col == 1 ? a.ga : a.dqk) + static_cast<int64_t>(h) * a.sm_sh;
 
   // The group's q/k biases as float32 in shared memory, [head][q|k][N] behind the head terms,
   // read back as float4 per run at each position: 16 registers per lane that were held for the
@@ -198,7 +198,10 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       bk[0] = k0.x, bk[1] = k0.y, bk[2] = k0.z, bk[3] = k0.w;
       bk[4] = k1.x, bk[5] = k1.y, bk[6] = k1.z, bk[7] = k1.w;
     }
-    const float scl = u.sc, gd = u.dqk * u.ga;
+    const float scl = __shfl_sync(0xffffffffu, u.rs, 0, LPR);
+    const float gam = __shfl_sync(0xffffffffu, u.rs, 1, LPR);
+    const float dqk = __shfl_sync(0xffffffffu, u.rs, 2, LPR);
+    const float gd = dqk * gam;
     float dsc = 0.f, qkd = 0.f, dan[2], sn[2], cs[2];
     float* dqp = dqdk;
     float* dkp = dqdk + 8;
@@ -255,7 +258,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     if (p.val) {
       const int os = p.os + h * a.sm_sh;
       if (col == 0) a.dsc[os] = rv[0];
-      if (col == LPR / 2) a.dga[os] = u.dqk * rv[0];
+      if (col == LPR / 2) a.dga[os] = dqk * rv[0];
       *reinterpret_cast<float2*>(a.dang + (p.oa + h * a.an_sh + 2 * col)) =
           make_float2(dan[0], dan[1]);
 #pragma unroll
@@ -304,10 +307,10 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   // in flight (two positions per warp instead of one: the kernel is bound by memory latency).
   Buf A, B, Cb;
   Pos P0 = pos_of(blk * PB + wr * kUnits, a);
-  load_unit<N>(lp, P0, A);
+  load_unit<N>(a, lp, P0, A);
   fill_bias_table();  // while those loads are in flight
   Pos P1 = pos_next(P0, blk * PB + wr * kUnits + 1, a);
-  load_unit<N>(lp, P1, B);
+  load_unit<N>(a, lp, P1, B);
   for (; blk < a.nblk; blk += stride) {
     const int row0 = blk * PB + wr * kUnits;
     const int nrow0 = blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows;
@@ -321,7 +324,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
         P2 = pos_of(nrow0, a);
       else
         P2 = pos_next(P1, nrow0 + 1, a);
-      load_unit<N>(lp, P2, fill);
+      load_unit<N>(a, lp, P2, fill);
       float v[16];
       compute(P0, use, v);
       if (WH == 1)
