@@ -17,11 +17,13 @@
 //   its heads for the whole kernel: the q/k bias gradients are plain register sums (one per lane
 //   for its head and columns), reduced once per CTA at the end.
 // * dq/dk (sums over the heads of the group): when a warp holds all heads of the group (WH = 1,
-//   e.g. N = 64 with 4 heads per group) by shuffles across its rows, written directly; otherwise
+//   e.g. N = 64 with 4 heads per group) by a transposed butterfly across its rows, each row
+//   storing a quarter (at HR = 4), and each warp walks a contiguous range of rows; otherwise
 //   each head's term goes to shared memory and the CTA sums the HG terms of each element in a
 //   fixed order after a barrier per block of PB positions.
-// * Each warp walks its positions with a two-deep register pipeline: the loads of the next
-//   position are issued before the current one is computed, across head and block boundaries.
+// * Each warp walks its positions with a three-deep register pipeline: the loads of the next two
+//   positions are in flight while the current one is computed, across block boundaries (the
+//   q/k biases sit in shared memory to make room; f16 with WH = 1: two-deep, see below).
 // * The CTAs' bias partials are summed inside the kernel after a grid barrier when the launch can
 //   be cooperative (every CTA resident), else by the shared bias reduction kernel.
 // Deterministic: every sum has a fixed order, no atomics.
@@ -30,6 +32,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
@@ -71,9 +74,10 @@ __device__ __forceinline__ void pos_offsets(Pos& p, const SplitArgs& a) {
   p.os = p.b * a.sm_sb + p.s * a.sm_ss;
 }
 
-__device__ __forceinline__ Pos pos_of(int row, const SplitArgs& a) {
+// `lim`: the end of the rows this warp walks (a.rows, or the end of its range).
+__device__ __forceinline__ Pos pos_of(int row, int lim, const SplitArgs& a) {
   Pos p;
-  p.val = row < a.rows;
+  p.val = row < lim;
   const uint32_t r = p.val ? static_cast<uint32_t>(row) : 0u;
   const uint32_t q = r / static_cast<uint32_t>(a.S);
   p.b = static_cast<int>(q);
@@ -83,8 +87,8 @@ __device__ __forceinline__ Pos pos_of(int row, const SplitArgs& a) {
 }
 
 // The next row of a block: offsets advanced by one position (no division).
-__device__ __forceinline__ Pos pos_next(Pos p, int row_next, const SplitArgs& a) {
-  if (row_next >= a.rows) return pos_of(row_next, a);
+__device__ __forceinline__ Pos pos_next(Pos p, int row_next, int lim, const SplitArgs& a) {
+  if (row_next >= lim) return pos_of(row_next, lim, a);
   p.val = true;
   if (++p.s == a.S) {
     p.s = 0, ++p.b;
@@ -112,6 +116,25 @@ struct LanePtrs {
   const float *ang, *rs;
 };
 
+// The sums of K values across the rows of a warp (xor masks M, 2M, ..., 16; M = lanes per row),
+// transposed: at each exchange a lane keeps the half of its values selected by its mask bit
+// (upper when set) and receives the partner's copy of that half. Afterwards v[0 .. K / rows)
+// holds the full sums of the values from offset sum_j bit_j * K / 2^(j+1). Each sum is
+// keep + received: the same additions, in the same tree, as a plain xor butterfly.
+template <int K, int M>
+__device__ __forceinline__ void rows_reduce_t(float* v, int lane) {
+  if constexpr (M < 32) {
+    const bool up = (lane & M) != 0;
+#pragma unroll
+    for (int j = 0; j < K / 2; ++j) {
+      const float send = up ? v[j] : v[j + K / 2];
+      const float keep = up ? v[j + K / 2] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+    }
+    rows_reduce_t<K / 2, 2 * M>(v, lane);
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l, const Pos& p,
                                           Buf& u) {
@@ -129,14 +152,16 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
   u.rs = __ldg(l.rs + p.os);
 }
 
-template <class Tg, int N>
+// kWhole: every warp holds all heads of the group (WH = 1): dq/dk summed across the warp's rows,
+// each warp walks a contiguous range of rows. Else the block walk with head terms in shared memory.
+template <class Tg, int N, bool kWhole>
 __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant__ SplitArgs a) {
   using E = Elem<Tg>;
   constexpr int LPR = N / 8, HR = 32 / LPR;
   constexpr int N4 = N / 4;  // float4 per (position, q|k) row of the head terms
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int WH = a.WH, HG = a.HG, PB = a.PB;
+  const int WH = kWhole ? 1 : a.WH, HG = kWhole ? HR : a.HG, PB = a.PB;
   const int wh = warp % WH, wr = warp / WH;
   const int hr = lane / LPR, col = lane % LPR;
   const int g = blockIdx.y;
@@ -269,21 +294,34 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     }
   };
 
-  // dq, dk of a position held by a warp with all heads of the group: sums across its HR rows
-  // (xor butterfly: every lane ends with the same sums), stored by row 0.
+  // dq, dk of a position held by a warp with all heads of the group: sums across its HR rows by
+  // a transposed butterfly (each exchange sends half of the remaining values: 16 - 16 / HR
+  // shuffles instead of 16 log2 HR), after which row r holds the full sums of the 16 / HR values
+  // from offset sel(r) (bit j of r selects the upper half at exchange j) and stores them. The
+  // same additions as a plain butterfly ((h0 + h1) + (h2 + h3) at HR = 4): same bits.
   auto store_whole = [&](const Pos& p, float* v) {
+    rows_reduce_t<16, LPR>(v, lane);
+    constexpr int KV = 16 / HR;  // values per lane after the exchanges
+    int sel = 0;
 #pragma unroll
-    for (int m = LPR; m < 32; m <<= 1)
-#pragma unroll
-      for (int e = 0; e < 16; ++e) v[e] += __shfl_xor_sync(0xffffffffu, v[e], m);
-    if (hr == 0 && p.val) {
+    for (int m = LPR, half = 8; m < 32; m <<= 1, half >>= 1)
+      if (lane & m) sel += half;
+    if (p.val) {
+      // v[0..16): dq run 0, run 1, dk run 0, run 1 (4 values each); this lane's KV values start
+      // at sel: tensor sel / 8, run (sel / 4) % 2, element offset sel % 4 in the run.
       const int oo = (p.b * a.go_sb + p.s * a.go_ss + g * a.go_sg + 4 * col) * 2;  // bytes
-      uint32_t w[8];
-      E::template pack<16>(v, w);  // dq run 0, run 1, dk run 0, run 1
-      st_global_words<8>(a.dq + oo, w);
-      st_global_words<8>(a.dq + oo + N, w + 2);
-      st_global_words<8>(a.dk + oo, w + 4);
-      st_global_words<8>(a.dk + oo + N, w + 6);
+      static_assert(KV >= 2, "HR <= 8");
+      uint32_t w[KV / 2];
+      E::template pack<KV>(v, w);
+      if constexpr (KV >= 4) {
+#pragma unroll
+        for (int r = 0; r < KV / 4; ++r) {
+          const int vi = sel + 4 * r;
+          st_global_words<8>((vi & 8 ? a.dk : a.dq) + oo + ((vi / 4) % 2) * N, w + 2 * r);
+        }
+      } else {
+        st_global_words<4>((sel & 8 ? a.dk : a.dq) + oo + ((sel / 4) % 2) * N + (sel % 4) * 2, w);
+      }
     }
   };
   // This head's dq/dk terms of block position pb into shared memory, [pb][q|k][head][N]: the heads
@@ -301,82 +339,132 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     rk[N4 / 2 + col] = make_float4(v[12], v[13], v[14], v[15]);
   };
 
-  const int stride = static_cast<int>(gridDim.x);
-  int blk = blockIdx.x;
   // Three-deep register pipeline: while unit i is computed, the loads of units i+1 and i+2 are
   // in flight (two positions per warp instead of one: the kernel is bound by memory latency).
   Buf A, B, Cb;
-  Pos P0 = pos_of(blk * PB + wr * kUnits, a);
-  load_unit<N>(a, lp, P0, A);
-  fill_bias_table();  // while those loads are in flight
-  Pos P1 = pos_next(P0, blk * PB + wr * kUnits + 1, a);
-  load_unit<N>(a, lp, P1, B);
-  for (; blk < a.nblk; blk += stride) {
-    const int row0 = blk * PB + wr * kUnits;
-    const int nrow0 = blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows;
-    // Unit i of the block: load unit i+2 (past the block: the next block's unit i+2-kUnits)
-    // into `fill`, compute unit i from `use`.
-    auto step = [&](int i, const Buf& use, Buf& fill) {
-      Pos P2;
-      if (i + 2 < kUnits)
-        P2 = pos_next(P1, row0 + i + 2, a);
-      else if (i + 2 == kUnits)
-        P2 = pos_of(nrow0, a);
-      else
-        P2 = pos_next(P1, nrow0 + 1, a);
-      load_unit<N>(a, lp, P2, fill);
-      float v[16];
-      compute(P0, use, v);
-      if (WH == 1)
+  if constexpr (kWhole) {
+    // Each warp walks a contiguous range [r0, r1) of rows, the grid's warps splitting the rows
+    // evenly (no block granularity: at the GQA shape ~8 rows per warp in all).
+    const int nw = static_cast<int>(gridDim.x * (blockDim.x >> 5));
+    const int gw = static_cast<int>(blockIdx.x * (blockDim.x >> 5)) + warp;
+    const int r0 = static_cast<int>(static_cast<int64_t>(a.rows) * gw / nw);
+    const int r1 = static_cast<int>(static_cast<int64_t>(a.rows) * (gw + 1) / nw);
+    Pos P0 = pos_of(r0, r1, a);
+    load_unit<N>(a, lp, P0, A);
+    fill_bias_table();  // while those loads are in flight
+    int row = r0;
+    if constexpr (!std::is_same<Tg, __half>::value) {
+      Pos P1 = pos_next(P0, r0 + 1, r1, a);
+      load_unit<N>(a, lp, P1, B);
+      // Row `row`: load row + 2 into `fill`, compute `row` from `use`.
+      auto step = [&](const Buf& use, Buf& fill) {
+        const Pos P2 = pos_next(P1, row + 2, r1, a);
+        load_unit<N>(a, lp, P2, fill);
+        float v[16];
+        compute(P0, use, v);
         store_whole(P0, v);
-      else
-        stage_terms(wr * kUnits + i, P0, v);
-      P0 = P1, P1 = P2;
-    };
-    static_assert(kUnits % 3 == 0, "the pipeline rotates three buffers");
-#pragma unroll
-    for (int i = 0; i < kUnits; i += 3) {
-      step(i, A, Cb);
-      step(i + 1, B, A);
-      step(i + 2, Cb, B);
-    }
-    if (WH > 1) {
-      // dq/dk of the block: the HG head terms of each element summed as four interleaved
-      // chains (heads h = j mod 4), then (0 + 1) + (2 + 3): a fixed order, and no 31-deep
-      // dependent chain for every thread to wait on between two barriers. Two elements per task
-      // so that every thread has work. HG is a power of two >= 2 here (see run_split).
-      __syncthreads();
-      const int tasks = PB * N;  // (position, q|k, element pair)
-      for (int t = threadIdx.x; t < tasks; t += blockDim.x) {
-        const int c2 = t % (N / 2), qk = (t / (N / 2)) & 1, pb = t / N;
-        const float2* src = reinterpret_cast<const float2*>(smem) +
-                            static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
-        float2 s;
-        if (HG == 2) {
-          const float2 u0 = src[0], u1 = src[N / 2];
-          s = make_float2(u0.x + u1.x, u0.y + u1.y);
-        } else {
-          float2 c[4] = {src[0], src[N / 2], src[2 * (N / 2)], src[3 * (N / 2)]};
-#pragma unroll 2
-          for (int hh = 4; hh < HG; hh += 4) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 u = src[(hh + j) * (N / 2)];
-              c[j].x += u.x, c[j].y += u.y;
-            }
-          }
-          s = make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
-                          (c[0].y + c[1].y) + (c[2].y + c[3].y));
-        }
-        const int off = row_off[pb];
-        if (off >= 0) {
-          const float v2[2] = {s.x, s.y};
-          uint32_t w;
-          E::template pack<2>(v2, &w);
-          *reinterpret_cast<uint32_t*>((qk ? a.dk : a.dq) + static_cast<int64_t>(off + 2 * c2) * 2) = w;
-        }
+        P0 = P1, P1 = P2;
+        ++row;
+      };
+      // Whole rounds of three, then the one or two rows left (no exit test between the steps
+      // of a round: it cost registers).
+      for (int n = (r1 - r0) / 3; n > 0; --n) {
+        step(A, Cb);
+        step(B, A);
+        step(Cb, B);
       }
-      __syncthreads();
+      if (row < r1) step(A, Cb);
+      if (row < r1) step(B, A);
+    } else {
+      // f16: the three-deep pipeline spills here (the f16 conversions need more registers), so
+      // two-deep: row `row` computed while row + 1 loads.
+      auto step = [&](const Buf& use, Buf& fill) {
+        const Pos P1 = pos_next(P0, row + 1, r1, a);
+        load_unit<N>(a, lp, P1, fill);
+        float v[16];
+        compute(P0, use, v);
+        store_whole(P0, v);
+        P0 = P1;
+        ++row;
+      };
+      for (int n = (r1 - r0) / 2; n > 0; --n) {
+        step(A, B);
+        step(B, A);
+      }
+      if (row < r1) step(A, B);
+    }
+  } else {
+    const int stride = static_cast<int>(gridDim.x);
+    int blk = blockIdx.x;
+    Pos P0 = pos_of(blk * PB + wr * kUnits, a.rows, a);
+    load_unit<N>(a, lp, P0, A);
+    fill_bias_table();  // while those loads are in flight
+    Pos P1 = pos_next(P0, blk * PB + wr * kUnits + 1, a.rows, a);
+    load_unit<N>(a, lp, P1, B);
+    for (; blk < a.nblk; blk += stride) {
+      const int row0 = blk * PB + wr * kUnits;
+      const int nrow0 = blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows;
+      // Unit i of the block: load unit i+2 (past the block: the next block's unit i+2-kUnits)
+      // into `fill`, compute unit i from `use`.
+      auto step = [&](int i, const Buf& use, Buf& fill) {
+        Pos P2;
+        if (i + 2 < kUnits)
+          P2 = pos_next(P1, row0 + i + 2, a.rows, a);
+        else if (i + 2 == kUnits)
+          P2 = pos_of(nrow0, a.rows, a);
+        else
+          P2 = pos_next(P1, nrow0 + 1, a.rows, a);
+        load_unit<N>(a, lp, P2, fill);
+        float v[16];
+        compute(P0, use, v);
+        stage_terms(wr * kUnits + i, P0, v);
+        P0 = P1, P1 = P2;
+      };
+      static_assert(kUnits % 3 == 0, "the pipeline rotates three buffers");
+  #pragma unroll
+      for (int i = 0; i < kUnits; i += 3) {
+        step(i, A, Cb);
+        step(i + 1, B, A);
+        step(i + 2, Cb, B);
+      }
+      {
+        // dq/dk of the block: the HG head terms of each element summed as four interleaved
+        // chains (heads h = j mod 4), then (0 + 1) + (2 + 3): a fixed order, and no 31-deep
+        // dependent chain for every thread to wait on between two barriers. Two elements per task
+        // so that every thread has work. HG is a power of two >= 2 here (see run_split).
+        __syncthreads();
+        const int tasks = PB * N;  // (position, q|k, element pair)
+        for (int t = threadIdx.x; t < tasks; t += blockDim.x) {
+          const int c2 = t % (N / 2), qk = (t / (N / 2)) & 1, pb = t / N;
+          const float2* src = reinterpret_cast<const float2*>(smem) +
+                              static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
+          float2 s;
+          if (HG == 2) {
+            const float2 u0 = src[0], u1 = src[N / 2];
+            s = make_float2(u0.x + u1.x, u0.y + u1.y);
+          } else {
+            float2 c[4] = {src[0], src[N / 2], src[2 * (N / 2)], src[3 * (N / 2)]};
+  #pragma unroll 2
+            for (int hh = 4; hh < HG; hh += 4) {
+  #pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                const float2 u = src[(hh + j) * (N / 2)];
+                c[j].x += u.x, c[j].y += u.y;
+              }
+            }
+            s = make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
+                            (c[0].y + c[1].y) + (c[2].y + c[3].y));
+          }
+          const int off = row_off[pb];
+          if (off >= 0) {
+            const float v2[2] = {s.x, s.y};
+            uint32_t w;
+            E::template pack<2>(v2, &w);
+            *reinterpret_cast<uint32_t*>((qk ? a.dk : a.dq) + static_cast<int64_t>(off + 2 * c2) * 2) = w;
+          }
+        }
+        __syncthreads();
+      }
     }
   }
 
@@ -446,20 +534,24 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
 
 using SplitKernel = void (*)(SplitArgs);
 
-// The instantiation for (Tg, N) with its dynamic shared-memory limit raised to `smem`.
+// The instantiation for (Tg, N, whole) with its dynamic shared-memory limit raised to `smem`.
 template <class Tg, int N>
-SplitKernel prepared(int device, size_t smem) {
-  ensure_dynamic_smem<dqk_split_kernel<Tg, N>>(device, smem);
-  return dqk_split_kernel<Tg, N>;
+SplitKernel prepared(bool whole, int device, size_t smem) {
+  if (whole) {
+    ensure_dynamic_smem<dqk_split_kernel<Tg, N, true>>(device, smem);
+    return dqk_split_kernel<Tg, N, true>;
+  }
+  ensure_dynamic_smem<dqk_split_kernel<Tg, N, false>>(device, smem);
+  return dqk_split_kernel<Tg, N, false>;
 }
 
 template <class Tg>
-SplitKernel kernel_for(int N, int device, size_t smem) {
+SplitKernel kernel_for(int N, bool whole, int device, size_t smem) {
   switch (N) {
-    case 32: return prepared<Tg, 32>(device, smem);
-    case 64: return prepared<Tg, 64>(device, smem);
-    case 128: return prepared<Tg, 128>(device, smem);
-    default: return prepared<Tg, 256>(device, smem);
+    case 32: return prepared<Tg, 32>(whole, device, smem);
+    case 64: return prepared<Tg, 64>(whole, device, smem);
+    case 128: return prepared<Tg, 128>(whole, device, smem);
+    default: return prepared<Tg, 256>(whole, device, smem);
   }
 }
 
@@ -527,9 +619,10 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   int ctas = static_cast<int>(std::min<int64_t>(ctas_per_group_bound(p.G, sms, rows, occ), nblk));
   // The bias sums inside the kernel need every CTA resident at once (cooperative launch): the
   // grid must fit what the occupancy calculator allows; otherwise they run as a second kernel.
-  const SplitKernel kern = tg == DType::BF16
-                               ? kernel_for<__nv_bfloat16>(static_cast<int>(N), p.device_id, smem)
-                               : kernel_for<__half>(static_cast<int>(N), p.device_id, smem);
+  const bool whole = WH == 1;
+  const SplitKernel kern =
+      tg == DType::BF16 ? kernel_for<__nv_bfloat16>(static_cast<int>(N), whole, p.device_id, smem)
+                        : kernel_for<__half>(static_cast<int>(N), whole, p.device_id, smem);
   const int resident = resident_ctas(kern, p.device_id, W * 32, smem);
   const bool fused = dp.coop_launch && static_cast<int64_t>(ctas) * p.G <=
                                            static_cast<int64_t>(resident) * sms;
