@@ -50,6 +50,7 @@ constexpr int kUnits = 3;
 struct SplitArgs : DqkTensors {
   int WH, WR, PB, nblk;
   int tab_off;  // float offset of the bias table in shared memory (see the kernel)
+  int nbuf;     // head-term buffers (2: blocks alternate, one barrier per block)
   // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
   // dq_bias / dk_bias (else bias_reduce_kernel does, as for the other kernels).
   int fused;
@@ -325,13 +326,18 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     }
   };
   // This head's dq/dk terms of block position pb into shared memory, [pb][q|k][head][N]: the heads
-  // of one element are N floats apart (a compile-time stride for the summing loop).
-  // Element offset of each block position's dq/dk row (-1: past the end), for the summing threads.
-  int* const row_off = reinterpret_cast<int*>(smem + static_cast<size_t>(PB) * 2 * HG * N);
+  // of one element are N floats apart (a compile-time stride for the summing loop). With two
+  // buffers (a.nbuf) consecutive blocks alternate between them, buffer `par` at `terms`.
+  // Element offset of each block position's dq/dk row (-1: past the end), for the summing threads:
+  // row_off[par * PB + pb], behind the buffers.
+  const int tsize = PB * 2 * HG * N;  // floats per buffer
+  int* const row_off = reinterpret_cast<int*>(smem + static_cast<size_t>(a.nbuf) * tsize);
+  int par = 0;
   auto stage_terms = [&](int pb, const Pos& p, const float* v) {
     if (wh == 0 && lane == 0)
-      row_off[pb] = p.val ? p.b * a.go_sb + p.s * a.go_ss + g * a.go_sg : -1;
-    float4* r = reinterpret_cast<float4*>(smem) + (static_cast<size_t>(pb) * 2 * HG + head) * N4;
+      row_off[par * PB + pb] = p.val ? p.b * a.go_sb + p.s * a.go_ss + g * a.go_sg : -1;
+    float4* r = reinterpret_cast<float4*>(smem + static_cast<size_t>(par) * tsize) +
+                (static_cast<size_t>(pb) * 2 * HG + head) * N4;
     float4* rk = r + static_cast<size_t>(HG) * N4;
     r[col] = make_float4(v[0], v[1], v[2], v[3]);
     r[N4 / 2 + col] = make_float4(v[4], v[5], v[6], v[7]);
@@ -421,7 +427,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
         P0 = P1, P1 = P2;
       };
       static_assert(kUnits % 3 == 0, "the pipeline rotates three buffers");
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kUnits; i += 3) {
         step(i, A, Cb);
         step(i + 1, B, A);
@@ -432,11 +438,16 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
         // chains (heads h = j mod 4), then (0 + 1) + (2 + 3): a fixed order, and no 31-deep
         // dependent chain for every thread to wait on between two barriers. Two elements per task
         // so that every thread has work. HG is a power of two >= 2 here (see run_split).
+        // With two buffers one barrier per block: the next block writes the other buffer, and
+        // the block after it writes this one only after the next block's barrier, which every
+        // thread reaches after finishing this sum.
         __syncthreads();
+        const float* tb = smem + static_cast<size_t>(par) * tsize;
+        const int* ro = row_off + par * PB;
         const int tasks = PB * N;  // (position, q|k, element pair)
         for (int t = threadIdx.x; t < tasks; t += blockDim.x) {
           const int c2 = t % (N / 2), qk = (t / (N / 2)) & 1, pb = t / N;
-          const float2* src = reinterpret_cast<const float2*>(smem) +
+          const float2* src = reinterpret_cast<const float2*>(tb) +
                               static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
           float2 s;
           if (HG == 2) {
@@ -444,9 +455,9 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
             s = make_float2(u0.x + u1.x, u0.y + u1.y);
           } else {
             float2 c[4] = {src[0], src[N / 2], src[2 * (N / 2)], src[3 * (N / 2)]};
-  #pragma unroll 2
+#pragma unroll 2
             for (int hh = 4; hh < HG; hh += 4) {
-  #pragma unroll
+#pragma unroll
               for (int j = 0; j < 4; ++j) {
                 const float2 u = src[(hh + j) * (N / 2)];
                 c[j].x += u.x, c[j].y += u.y;
@@ -455,7 +466,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
             s = make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
                             (c[0].y + c[1].y) + (c[2].y + c[3].y));
           }
-          const int off = row_off[pb];
+          const int off = ro[pb];
           if (off >= 0) {
             const float v2[2] = {s.x, s.y};
             uint32_t w;
@@ -463,7 +474,10 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
             *reinterpret_cast<uint32_t*>((qk ? a.dk : a.dq) + static_cast<int64_t>(off + 2 * c2) * 2) = w;
           }
         }
-        __syncthreads();
+        if (a.nbuf == 2)
+          par ^= 1;
+        else
+          __syncthreads();
       }
     }
   }
@@ -599,18 +613,30 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   const int W = WH == 1 ? 8 : 16;
   const int WR = W / WH;
   const int PB = WR * kUnits;
-  // Head terms [PB][2][HG][N] floats and the PB row offsets behind them (padded to 16 bytes),
-  // then the bias table [HG][2][N] floats; the bias partials [WR][HG][2][N] at the end reuse
-  // the space.
-  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N + (PB + 3) / 4 * 4 : 0;
-  const size_t tab = static_cast<size_t>(HG) * 2 * N;
-  const size_t fin = static_cast<size_t>(WR) * HG * 2 * N * 4;
-  const size_t smem = std::max((terms + tab) * 4, fin);
+  // Head terms: nbuf buffers of [PB][2][HG][N] floats and the nbuf PB row offsets behind them
+  // (padded to 16 bytes), then the bias table [HG][2][N] floats; the bias partials
+  // [WR][HG][2][N] at the end reuse the space. Two buffers (one barrier per block instead of
+  // two) where they fit: 2 x 96 KB + the table at N128 HG32.
   const DeviceProps& dp = device_props(p.device_id);
   const size_t optin = static_cast<size_t>(std::max(0, dp.smem_optin));
   const size_t per_sm = static_cast<size_t>(std::max(0, dp.smem_per_sm));
   const size_t rsv = static_cast<size_t>(std::max(0, dp.smem_reserved));
-  if (smem > optin || smem + rsv > per_sm) return 0;
+  const size_t tab = static_cast<size_t>(HG) * 2 * N;
+  const size_t fin = static_cast<size_t>(WR) * HG * 2 * N * 4;
+  auto terms_of = [&](int nbuf) -> size_t {
+    return WH > 1 ? nbuf * (static_cast<size_t>(HG) * PB * 2 * N + (PB + 3) / 4 * 4) : 0;
+  };
+  auto smem_of = [&](int nbuf) { return std::max((terms_of(nbuf) + tab) * 4, fin); };
+  auto fits = [&](size_t bytes) { return bytes <= optin && bytes + rsv <= per_sm; };
+  // MAMBA3_DQK_NBUF=1 forces one buffer (A/B measurements; same results).
+  static const bool kTwo = [] {
+    const char* v = std::getenv("MAMBA3_DQK_NBUF");
+    return !(v && v[0] == '1');
+  }();
+  const int nbuf = kTwo && WH > 1 && fits(smem_of(2)) ? 2 : 1;
+  const size_t terms = terms_of(nbuf);
+  const size_t smem = smem_of(nbuf);
+  if (!fits(smem)) return 0;
   // CTAs per SM: the kernel's registers allow one 16-warp or two 8-warp CTAs (launch bounds 512).
   const int occ = static_cast<int>(std::min<size_t>(
       {static_cast<size_t>(W == 16 ? 1 : kMaxCtasPerSm), per_sm / (smem + rsv)}));
@@ -632,6 +658,7 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   fill_dqk_tensors(a, p, ws);
   a.WH = WH, a.WR = WR, a.PB = PB, a.nblk = static_cast<int>(nblk);
   a.tab_off = static_cast<int>(terms);
+  a.nbuf = nbuf;
   a.fused = fused;
   a.dqb = static_cast<float*>(p.dq_bias.data), a.dkb = static_cast<float*>(p.dk_bias.data);
   a.dqb_sh = p.dq_bias.strides[0], a.dqb_sn = p.dq_bias.strides[1];
