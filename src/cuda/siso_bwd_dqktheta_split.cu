@@ -21,9 +21,10 @@
 //   storing a quarter (at HR = 4), and each warp walks a contiguous range of rows; otherwise
 //   each head's term goes to shared memory and the CTA sums the HG terms of each element in a
 //   fixed order after a barrier per block of PB positions.
-// * Each warp walks its positions with a three-deep register pipeline: the loads of the next two
-//   positions are in flight while the current one is computed, across block boundaries (the
-//   q/k biases sit in shared memory to make room; f16 with WH = 1: two-deep, see below).
+// * Each warp walks its positions with a two-deep register pipeline: the loads of the next
+//   position are issued before the current one is computed, across head and block boundaries.
+//   (Three-deep was slower in the block walk, session 12: B4 +7%.) The whole-group walk (bf16)
+//   is three-deep, its q/k biases in shared memory to make room for the third buffer.
 // * The CTAs' bias partials are summed inside the kernel after a grid barrier when the launch can
 //   be cooperative (every CTA resident), else by the shared bias reduction kernel.
 // Deterministic: every sum has a fixed order, no atomics.
@@ -44,13 +45,11 @@
 namespace mamba3::cuda::dqk {
 namespace {
 
-// Positions per warp per block: a multiple of 3, the pipeline rotates three buffers.
-constexpr int kUnits = 3;
+constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline alternates 2 buffers)
 
 struct SplitArgs : DqkTensors {
   int WH, WR, PB, nblk;
-  int tab_off;  // float offset of the bias table in shared memory (see the kernel)
-  int nbuf;     // head-term buffers (2: blocks alternate, one barrier per block)
+  int tab_off;  // float offset of the bias table in shared memory (whole-group layout)
   // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
   // dq_bias / dk_bias (else bias_reduce_kernel does, as for the other kernels).
   int fused;
@@ -153,11 +152,13 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
   u.rs = __ldg(l.rs + p.os);
 }
 
-// kWhole: every warp holds all heads of the group (WH = 1): dq/dk summed across the warp's rows,
-// each warp walks a contiguous range of rows. Else the block walk with head terms in shared memory.
-template <class Tg, int N, bool kWhole>
+// kDepth 0: the block walk, head terms summed in shared memory, two-deep pipeline. kDepth 2 or 3:
+// every warp holds all heads of the group (WH = 1): dq/dk summed across the warp's rows, each warp
+// walks a contiguous range of rows with a kDepth-deep pipeline.
+template <class Tg, int N, int kDepth>
 __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant__ SplitArgs a) {
   using E = Elem<Tg>;
+  constexpr bool kWhole = kDepth > 0;
   constexpr int LPR = N / 8, HR = 32 / LPR;
   constexpr int N4 = N / 4;  // float4 per (position, q|k) row of the head terms
   extern __shared__ __align__(16) float smem[];
@@ -174,10 +175,19 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   lp.ang = a.ang + static_cast<int64_t>(h) * a.an_sh + 2 * col;
   lp.rs = (col == 0 ? a.sc : col == 1 ? a.ga : a.dqk) + static_cast<int64_t>(h) * a.sm_sh;
 
-  // The group's q/k biases as float32 in shared memory, [head][q|k][N] behind the head terms,
-  // read back as float4 per run at each position: 16 registers per lane that were held for the
-  // whole kernel go to the load pipeline instead. The same float values as a load per lane.
-  // (Filled after the pipeline's first loads are issued, below.)
+  // Block walk: this lane's bias columns in registers (float32; any dtype and stride).
+  float bqr[8], bkr[8];
+  if constexpr (!kWhole) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int64_t n = e < 4 ? 4 * col + e : N / 2 + 4 * col + e - 4;
+      bqr[e] = load_rt(a.qb + (h * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
+      bkr[e] = load_rt(a.kb + (h * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb);
+    }
+  }
+  // Whole-group walk: the group's q/k biases as float32 in shared memory, [head][q|k][N], read
+  // back as float4 per run at each position: the 16 registers go to the three-deep pipeline.
+  // The same float values as a load per lane. (Filled while the first loads are in flight.)
   float* const btab = smem + a.tab_off;
   auto fill_bias_table = [&] {
     const int NV = HG * 2 * N;
@@ -217,7 +227,10 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     E::template unpack<8>(u.x, x);
     E::template unpack<8>(u.y, y);
     float bq[8], bk[8];
-    {
+    if constexpr (!kWhole) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) bq[e] = bqr[e], bk[e] = bkr[e];
+    } else {
       const float4 q0 = lb[0], q1 = lb[N4 / 2], k0 = lb[N4], k1 = lb[N4 + N4 / 2];
       bq[0] = q0.x, bq[1] = q0.y, bq[2] = q0.z, bq[3] = q0.w;
       bq[4] = q1.x, bq[5] = q1.y, bq[6] = q1.z, bq[7] = q1.w;
@@ -326,18 +339,13 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     }
   };
   // This head's dq/dk terms of block position pb into shared memory, [pb][q|k][head][N]: the heads
-  // of one element are N floats apart (a compile-time stride for the summing loop). With two
-  // buffers (a.nbuf) consecutive blocks alternate between them, buffer `par` at `terms`.
-  // Element offset of each block position's dq/dk row (-1: past the end), for the summing threads:
-  // row_off[par * PB + pb], behind the buffers.
-  const int tsize = PB * 2 * HG * N;  // floats per buffer
-  int* const row_off = reinterpret_cast<int*>(smem + static_cast<size_t>(a.nbuf) * tsize);
-  int par = 0;
+  // of one element are N floats apart (a compile-time stride for the summing loop).
+  // Element offset of each block position's dq/dk row (-1: past the end), for the summing threads.
+  int* const row_off = reinterpret_cast<int*>(smem + static_cast<size_t>(PB) * 2 * HG * N);
   auto stage_terms = [&](int pb, const Pos& p, const float* v) {
     if (wh == 0 && lane == 0)
-      row_off[par * PB + pb] = p.val ? p.b * a.go_sb + p.s * a.go_ss + g * a.go_sg : -1;
-    float4* r = reinterpret_cast<float4*>(smem + static_cast<size_t>(par) * tsize) +
-                (static_cast<size_t>(pb) * 2 * HG + head) * N4;
+      row_off[pb] = p.val ? p.b * a.go_sb + p.s * a.go_ss + g * a.go_sg : -1;
+    float4* r = reinterpret_cast<float4*>(smem) + (static_cast<size_t>(pb) * 2 * HG + head) * N4;
     float4* rk = r + static_cast<size_t>(HG) * N4;
     r[col] = make_float4(v[0], v[1], v[2], v[3]);
     r[N4 / 2 + col] = make_float4(v[4], v[5], v[6], v[7]);
@@ -345,8 +353,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     rk[N4 / 2 + col] = make_float4(v[12], v[13], v[14], v[15]);
   };
 
-  // Three-deep register pipeline: while unit i is computed, the loads of units i+1 and i+2 are
-  // in flight (two positions per warp instead of one: the kernel is bound by memory latency).
+  // Register pipeline buffers (Cb: three-deep whole-group walk only).
   Buf A, B, Cb;
   if constexpr (kWhole) {
     // Each warp walks a contiguous range [r0, r1) of rows, the grid's warps splitting the rows
@@ -359,7 +366,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     load_unit<N>(a, lp, P0, A);
     fill_bias_table();  // while those loads are in flight
     int row = r0;
-    if constexpr (!std::is_same<Tg, __half>::value) {
+    if constexpr (kDepth == 3) {
       Pos P1 = pos_next(P0, r0 + 1, r1, a);
       load_unit<N>(a, lp, P1, B);
       // Row `row`: load row + 2 into `fill`, compute `row` from `use`.
@@ -382,8 +389,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       if (row < r1) step(A, Cb);
       if (row < r1) step(B, A);
     } else {
-      // f16: the three-deep pipeline spills here (the f16 conversions need more registers), so
-      // two-deep: row `row` computed while row + 1 loads.
+      // Two-deep: row `row` computed while row + 1 loads.
       auto step = [&](const Buf& use, Buf& fill) {
         const Pos P1 = pos_next(P0, row + 1, r1, a);
         load_unit<N>(a, lp, P1, fill);
@@ -402,52 +408,42 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   } else {
     const int stride = static_cast<int>(gridDim.x);
     int blk = blockIdx.x;
-    Pos P0 = pos_of(blk * PB + wr * kUnits, a.rows, a);
-    load_unit<N>(a, lp, P0, A);
-    fill_bias_table();  // while those loads are in flight
-    Pos P1 = pos_next(P0, blk * PB + wr * kUnits + 1, a.rows, a);
-    load_unit<N>(a, lp, P1, B);
+    Pos P = pos_of(blk * PB + wr * kUnits, a.rows, a);
+    load_unit<N>(a, lp, P, A);
     for (; blk < a.nblk; blk += stride) {
       const int row0 = blk * PB + wr * kUnits;
-      const int nrow0 = blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows;
-      // Unit i of the block: load unit i+2 (past the block: the next block's unit i+2-kUnits)
-      // into `fill`, compute unit i from `use`.
+      // Unit i of the block: prefetch unit i+1 (or the next block's first) into `fill`, compute
+      // unit i from `use`.
       auto step = [&](int i, const Buf& use, Buf& fill) {
-        Pos P2;
-        if (i + 2 < kUnits)
-          P2 = pos_next(P1, row0 + i + 2, a.rows, a);
-        else if (i + 2 == kUnits)
-          P2 = pos_of(nrow0, a.rows, a);
-        else
-          P2 = pos_next(P1, nrow0 + 1, a.rows, a);
-        load_unit<N>(a, lp, P2, fill);
+        Pos Pn;
+        if (i + 1 < kUnits) {
+          Pn = pos_next(P, row0 + i + 1, a.rows, a);
+        } else {
+          Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a.rows,
+                      a);
+        }
+        load_unit<N>(a, lp, Pn, fill);
         float v[16];
-        compute(P0, use, v);
-        stage_terms(wr * kUnits + i, P0, v);
-        P0 = P1, P1 = P2;
+        compute(P, use, v);
+        stage_terms(wr * kUnits + i, P, v);
+        P = Pn;
       };
-      static_assert(kUnits % 3 == 0, "the pipeline rotates three buffers");
+      static_assert(kUnits % 2 == 0, "the pipeline alternates two buffers");
 #pragma unroll
-      for (int i = 0; i < kUnits; i += 3) {
-        step(i, A, Cb);
+      for (int i = 0; i < kUnits; i += 2) {
+        step(i, A, B);
         step(i + 1, B, A);
-        step(i + 2, Cb, B);
       }
       {
         // dq/dk of the block: the HG head terms of each element summed as four interleaved
         // chains (heads h = j mod 4), then (0 + 1) + (2 + 3): a fixed order, and no 31-deep
         // dependent chain for every thread to wait on between two barriers. Two elements per task
         // so that every thread has work. HG is a power of two >= 2 here (see run_split).
-        // With two buffers one barrier per block: the next block writes the other buffer, and
-        // the block after it writes this one only after the next block's barrier, which every
-        // thread reaches after finishing this sum.
         __syncthreads();
-        const float* tb = smem + static_cast<size_t>(par) * tsize;
-        const int* ro = row_off + par * PB;
         const int tasks = PB * N;  // (position, q|k, element pair)
         for (int t = threadIdx.x; t < tasks; t += blockDim.x) {
           const int c2 = t % (N / 2), qk = (t / (N / 2)) & 1, pb = t / N;
-          const float2* src = reinterpret_cast<const float2*>(tb) +
+          const float2* src = reinterpret_cast<const float2*>(smem) +
                               static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
           float2 s;
           if (HG == 2) {
@@ -466,7 +462,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
             s = make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
                             (c[0].y + c[1].y) + (c[2].y + c[3].y));
           }
-          const int off = ro[pb];
+          const int off = row_off[pb];
           if (off >= 0) {
             const float v2[2] = {s.x, s.y};
             uint32_t w;
@@ -474,10 +470,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
             *reinterpret_cast<uint32_t*>((qk ? a.dk : a.dq) + static_cast<int64_t>(off + 2 * c2) * 2) = w;
           }
         }
-        if (a.nbuf == 2)
-          par ^= 1;
-        else
-          __syncthreads();
+        __syncthreads();
       }
     }
   }
@@ -548,24 +541,29 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
 
 using SplitKernel = void (*)(SplitArgs);
 
-// The instantiation for (Tg, N, whole) with its dynamic shared-memory limit raised to `smem`.
+// The instantiation for (Tg, N, depth) with its dynamic shared-memory limit raised to `smem`.
+template <class Tg, int N, int kDepth>
+SplitKernel prepared_at(int device, size_t smem) {
+  ensure_dynamic_smem<dqk_split_kernel<Tg, N, kDepth>>(device, smem);
+  return dqk_split_kernel<Tg, N, kDepth>;
+}
+
+// depth: 0 the block walk; 2 or 3 the whole-group walk, three-deep for bf16 only (f16 spilled).
 template <class Tg, int N>
-SplitKernel prepared(bool whole, int device, size_t smem) {
-  if (whole) {
-    ensure_dynamic_smem<dqk_split_kernel<Tg, N, true>>(device, smem);
-    return dqk_split_kernel<Tg, N, true>;
-  }
-  ensure_dynamic_smem<dqk_split_kernel<Tg, N, false>>(device, smem);
-  return dqk_split_kernel<Tg, N, false>;
+SplitKernel prepared(int depth, int device, size_t smem) {
+  if (depth == 0) return prepared_at<Tg, N, 0>(device, smem);
+  if constexpr (std::is_same<Tg, __nv_bfloat16>::value)
+    if (depth == 3) return prepared_at<Tg, N, 3>(device, smem);
+  return prepared_at<Tg, N, 2>(device, smem);
 }
 
 template <class Tg>
-SplitKernel kernel_for(int N, bool whole, int device, size_t smem) {
+SplitKernel kernel_for(int N, int depth, int device, size_t smem) {
   switch (N) {
-    case 32: return prepared<Tg, 32>(whole, device, smem);
-    case 64: return prepared<Tg, 64>(whole, device, smem);
-    case 128: return prepared<Tg, 128>(whole, device, smem);
-    default: return prepared<Tg, 256>(whole, device, smem);
+    case 32: return prepared<Tg, 32>(depth, device, smem);
+    case 64: return prepared<Tg, 64>(depth, device, smem);
+    case 128: return prepared<Tg, 128>(depth, device, smem);
+    default: return prepared<Tg, 256>(depth, device, smem);
   }
 }
 
@@ -613,30 +611,18 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   const int W = WH == 1 ? 8 : 16;
   const int WR = W / WH;
   const int PB = WR * kUnits;
-  // Head terms: nbuf buffers of [PB][2][HG][N] floats and the nbuf PB row offsets behind them
-  // (padded to 16 bytes), then the bias table [HG][2][N] floats; the bias partials
-  // [WR][HG][2][N] at the end reuse the space. Two buffers (one barrier per block instead of
-  // two) where they fit: 2 x 96 KB + the table at N128 HG32.
+  // Block walk: head terms [PB][2][HG][N] floats and the PB row offsets behind them. Whole-group
+  // walk: the bias table [HG][2][N] floats. The bias partials [WR][HG][2][N] at the end reuse
+  // the space.
+  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N + PB : 0;
+  const size_t tab = WH == 1 ? static_cast<size_t>(HG) * 2 * N : 0;
+  const size_t fin = static_cast<size_t>(WR) * HG * 2 * N * 4;
+  const size_t smem = std::max((terms + tab) * 4, fin);
   const DeviceProps& dp = device_props(p.device_id);
   const size_t optin = static_cast<size_t>(std::max(0, dp.smem_optin));
   const size_t per_sm = static_cast<size_t>(std::max(0, dp.smem_per_sm));
   const size_t rsv = static_cast<size_t>(std::max(0, dp.smem_reserved));
-  const size_t tab = static_cast<size_t>(HG) * 2 * N;
-  const size_t fin = static_cast<size_t>(WR) * HG * 2 * N * 4;
-  auto terms_of = [&](int nbuf) -> size_t {
-    return WH > 1 ? nbuf * (static_cast<size_t>(HG) * PB * 2 * N + (PB + 3) / 4 * 4) : 0;
-  };
-  auto smem_of = [&](int nbuf) { return std::max((terms_of(nbuf) + tab) * 4, fin); };
-  auto fits = [&](size_t bytes) { return bytes <= optin && bytes + rsv <= per_sm; };
-  // MAMBA3_DQK_NBUF=1 forces one buffer (A/B measurements; same results).
-  static const bool kTwo = [] {
-    const char* v = std::getenv("MAMBA3_DQK_NBUF");
-    return !(v && v[0] == '1');
-  }();
-  const int nbuf = kTwo && WH > 1 && fits(smem_of(2)) ? 2 : 1;
-  const size_t terms = terms_of(nbuf);
-  const size_t smem = smem_of(nbuf);
-  if (!fits(smem)) return 0;
+  if (smem > optin || smem + rsv > per_sm) return 0;
   // CTAs per SM: the kernel's registers allow one 16-warp or two 8-warp CTAs (launch bounds 512).
   const int occ = static_cast<int>(std::min<size_t>(
       {static_cast<size_t>(W == 16 ? 1 : kMaxCtasPerSm), per_sm / (smem + rsv)}));
@@ -645,10 +631,15 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   int ctas = static_cast<int>(std::min<int64_t>(ctas_per_group_bound(p.G, sms, rows, occ), nblk));
   // The bias sums inside the kernel need every CTA resident at once (cooperative launch): the
   // grid must fit what the occupancy calculator allows; otherwise they run as a second kernel.
-  const bool whole = WH == 1;
+  // MAMBA3_DQK_WHOLE_DEPTH=2 keeps the whole-group walk two-deep for bf16 too (A/B; same bits).
+  static const int kWholeDepth = [] {
+    const char* v = std::getenv("MAMBA3_DQK_WHOLE_DEPTH");
+    return v && v[0] == '2' ? 2 : 3;
+  }();
+  const int depth = WH == 1 ? kWholeDepth : 0;
   const SplitKernel kern =
-      tg == DType::BF16 ? kernel_for<__nv_bfloat16>(static_cast<int>(N), whole, p.device_id, smem)
-                        : kernel_for<__half>(static_cast<int>(N), whole, p.device_id, smem);
+      tg == DType::BF16 ? kernel_for<__nv_bfloat16>(static_cast<int>(N), depth, p.device_id, smem)
+                        : kernel_for<__half>(static_cast<int>(N), depth, p.device_id, smem);
   const int resident = resident_ctas(kern, p.device_id, W * 32, smem);
   const bool fused = dp.coop_launch && static_cast<int64_t>(ctas) * p.G <=
                                            static_cast<int64_t>(resident) * sms;
@@ -657,8 +648,7 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   std::memset(&a, 0, sizeof(a));
   fill_dqk_tensors(a, p, ws);
   a.WH = WH, a.WR = WR, a.PB = PB, a.nblk = static_cast<int>(nblk);
-  a.tab_off = static_cast<int>(terms);
-  a.nbuf = nbuf;
+  a.tab_off = 0;  // the table only in the whole-group walk, which has no head terms
   a.fused = fused;
   a.dqb = static_cast<float*>(p.dq_bias.data), a.dkb = static_cast<float*>(p.dk_bias.data);
   a.dqb_sh = p.dq_bias.strides[0], a.dqb_sn = p.dq_bias.strides[1];
