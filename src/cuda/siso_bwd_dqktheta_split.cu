@@ -154,8 +154,11 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
 
 // kDepth 0: the block walk, head terms summed in shared memory, two-deep pipeline. kDepth 2 or 3:
 // every warp holds all heads of the group (WH = 1): dq/dk summed across the warp's rows, each warp
-// walks a contiguous range of rows with a kDepth-deep pipeline.
-template <class Tg, int N, int kDepth>
+// walks a contiguous range of rows with a kDepth-deep pipeline. kDok (block walk): d_ok_state
+// given, a compile-time flag (without it no per-position test). The whole-group walk is only
+// instantiated with kDok and tests a.has_dok at run time: without the d_ok_state code its
+// three-deep pipeline spilled (ptxas scheduled the loads differently).
+template <class Tg, int N, int kDepth, bool kDok>
 __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant__ SplitArgs a) {
   using E = Elem<Tg>;
   constexpr bool kWhole = kDepth > 0;
@@ -262,7 +265,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       if (i < 2) dan[i] = pt.dan;
     }
     // d_ok_state enters dk (and so dk_bias and dangles) at a sequence's last position.
-    if (a.has_dok && p.val) {
+    if (kDok && (kDepth == 0 || a.has_dok) && p.val) {
       int dseq = -1;
       if (!a.varlen) {
         if (p.s == a.S - 1) dseq = p.b;
@@ -541,29 +544,32 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
 
 using SplitKernel = void (*)(SplitArgs);
 
-// The instantiation for (Tg, N, depth) with its dynamic shared-memory limit raised to `smem`.
-template <class Tg, int N, int kDepth>
+// The instantiation for (Tg, N, depth, dok) with its dynamic shared-memory limit raised to `smem`.
+template <class Tg, int N, int kDepth, bool kDok>
 SplitKernel prepared_at(int device, size_t smem) {
-  ensure_dynamic_smem<dqk_split_kernel<Tg, N, kDepth>>(device, smem);
-  return dqk_split_kernel<Tg, N, kDepth>;
+  ensure_dynamic_smem<dqk_split_kernel<Tg, N, kDepth, kDok>>(device, smem);
+  return dqk_split_kernel<Tg, N, kDepth, kDok>;
 }
 
-// depth: 0 the block walk; 2 or 3 the whole-group walk, three-deep for bf16 only (f16 spilled).
+// depth: 0 the block walk; 2 or 3 the whole-group walk (d_ok_state tested at run time),
+// three-deep for bf16 only (f16 spilled).
 template <class Tg, int N>
-SplitKernel prepared(int depth, int device, size_t smem) {
-  if (depth == 0) return prepared_at<Tg, N, 0>(device, smem);
+SplitKernel prepared(int depth, bool dok, int device, size_t smem) {
+  if (depth == 0)
+    return dok ? prepared_at<Tg, N, 0, true>(device, smem)
+               : prepared_at<Tg, N, 0, false>(device, smem);
   if constexpr (std::is_same<Tg, __nv_bfloat16>::value)
-    if (depth == 3) return prepared_at<Tg, N, 3>(device, smem);
-  return prepared_at<Tg, N, 2>(device, smem);
+    if (depth == 3) return prepared_at<Tg, N, 3, true>(device, smem);
+  return prepared_at<Tg, N, 2, true>(device, smem);
 }
 
 template <class Tg>
-SplitKernel kernel_for(int N, int depth, int device, size_t smem) {
+SplitKernel kernel_for(int N, int depth, bool dok, int device, size_t smem) {
   switch (N) {
-    case 32: return prepared<Tg, 32>(depth, device, smem);
-    case 64: return prepared<Tg, 64>(depth, device, smem);
-    case 128: return prepared<Tg, 128>(depth, device, smem);
-    default: return prepared<Tg, 256>(depth, device, smem);
+    case 32: return prepared<Tg, 32>(depth, dok, device, smem);
+    case 64: return prepared<Tg, 64>(depth, dok, device, smem);
+    case 128: return prepared<Tg, 128>(depth, dok, device, smem);
+    default: return prepared<Tg, 256>(depth, dok, device, smem);
   }
 }
 
@@ -637,9 +643,11 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
     return v && v[0] == '2' ? 2 : 3;
   }();
   const int depth = WH == 1 ? kWholeDepth : 0;
+  const bool dok = p.has_dok != 0;
   const SplitKernel kern =
-      tg == DType::BF16 ? kernel_for<__nv_bfloat16>(static_cast<int>(N), depth, p.device_id, smem)
-                        : kernel_for<__half>(static_cast<int>(N), depth, p.device_id, smem);
+      tg == DType::BF16
+          ? kernel_for<__nv_bfloat16>(static_cast<int>(N), depth, dok, p.device_id, smem)
+          : kernel_for<__half>(static_cast<int>(N), depth, dok, p.device_id, smem);
   const int resident = resident_ctas(kern, p.device_id, W * 32, smem);
   const bool fused = dp.coop_launch && static_cast<int64_t>(ctas) * p.G <=
                                            static_cast<int64_t>(resident) * sms;
