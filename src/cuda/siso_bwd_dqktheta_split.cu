@@ -415,12 +415,22 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     load_unit<N>(a, lp, P, A);
     for (; blk < a.nblk; blk += stride) {
       const int row0 = blk * PB + wr * kUnits;
+      // The warp's units of this block all in the batch row of unit 0 and before the end (the
+      // usual case): each next position is the previous one's offsets plus the strides, no
+      // tests per position.
+      const bool inner = row0 + kUnits <= a.rows && P.s + kUnits <= a.S;
       // Unit i of the block: prefetch unit i+1 (or the next block's first) into `fill`, compute
       // unit i from `use`.
       auto step = [&](int i, const Buf& use, Buf& fill) {
         Pos Pn;
         if (i + 1 < kUnits) {
-          Pn = pos_next(P, row0 + i + 1, a.rows, a);
+          if (inner) {
+            Pn = P;
+            ++Pn.s;
+            Pn.oq += a.q_ss, Pn.og += a.gi_ss, Pn.oa += a.an_ss, Pn.os += a.sm_ss;
+          } else {
+            Pn = pos_next(P, row0 + i + 1, a.rows, a);
+          }
         } else {
           Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a.rows,
                       a);
