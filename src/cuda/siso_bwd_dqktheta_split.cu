@@ -17,11 +17,14 @@
 //   its heads for the whole kernel: the q/k bias gradients are plain register sums (one per lane
 //   for its head and columns), reduced once per CTA at the end.
 // * dq/dk (sums over the heads of the group): when a warp holds all heads of the group (WH = 1,
-//   e.g. N = 64 with 4 heads per group) by shuffles across its rows, written directly; otherwise
+//   e.g. N = 64 with 4 heads per group) by a transposed butterfly across its rows, each row
+//   storing a quarter (at HR = 4), and each warp walks a contiguous range of rows; otherwise
 //   each head's term goes to shared memory and the CTA sums the HG terms of each element in a
 //   fixed order after a barrier per block of PB positions.
 // * Each warp walks its positions with a two-deep register pipeline: the loads of the next
 //   position are issued before the current one is computed, across head and block boundaries.
+//   (Three-deep was slower in the block walk, session 12: B4 +7%.) The whole-group walk (bf16)
+//   is three-deep, its q/k biases in shared memory to make room for the third buffer.
 // * The CTAs' bias partials are summed inside the kernel after a grid barrier when the launch can
 //   be cooperative (every CTA resident), else by the shared bias reduction kernel.
 // Deterministic: every sum has a fixed order, no atomics.
@@ -30,6 +33,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
@@ -45,6 +49,7 @@ constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline a
 
 struct SplitArgs : DqkTensors {
   int WH, WR, PB, nblk;
+  int tab_off;  // float offset of the bias table in shared memory (whole-group layout)
   // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
   // dq_bias / dk_bias (else bias_reduce_kernel does, as for the other kernels).
   int fused;
@@ -69,9 +74,10 @@ __device__ __forceinline__ void pos_offsets(Pos& p, const SplitArgs& a) {
   p.os = p.b * a.sm_sb + p.s * a.sm_ss;
 }
 
-__device__ __forceinline__ Pos pos_of(int row, const SplitArgs& a) {
+// `lim`: the end of the rows this warp walks (a.rows, or the end of its range).
+__device__ __forceinline__ Pos pos_of(int row, int lim, const SplitArgs& a) {
   Pos p;
-  p.val = row < a.rows;
+  p.val = row < lim;
   const uint32_t r = p.val ? static_cast<uint32_t>(row) : 0u;
   const uint32_t q = r / static_cast<uint32_t>(a.S);
   p.b = static_cast<int>(q);
@@ -81,8 +87,8 @@ __device__ __forceinline__ Pos pos_of(int row, const SplitArgs& a) {
 }
 
 // The next row of a block: offsets advanced by one position (no division).
-__device__ __forceinline__ Pos pos_next(Pos p, int row_next, const SplitArgs& a) {
-  if (row_next >= a.rows) return pos_of(row_next, a);
+__device__ __forceinline__ Pos pos_next(Pos p, int row_next, int lim, const SplitArgs& a) {
+  if (row_next >= lim) return pos_of(row_next, lim, a);
   p.val = true;
   if (++p.s == a.S) {
     p.s = 0, ++p.b;
@@ -94,66 +100,123 @@ __device__ __forceinline__ Pos pos_next(Pos p, int row_next, const SplitArgs& a)
 }
 
 // One position's inputs for this lane: runs 0 and 1 as two 16-bit pairs each (words 0-1, 2-3).
+// rs: one of the head's row scalars, by the lane's column (0: scale, 1: gamma, else dqk); the
+// row's lanes get all three by shuffles (one register per buffer instead of three).
 struct Buf {
   uint32_t q[4], k[4], x[4], y[4];
   uint32_t an[2];
-  float sc, ga, dqk;
+  float rs;
 };
 
-// This lane's base pointers: its head and columns folded in once.
+// This lane's head and columns folded in once: byte offsets into q/k (shared) and into
+// dq_in/dk_in (shared; the bases stay kernel parameters: one register each instead of two
+// 64-bit pointers per pair), pointers into the angles and its row scalar.
 struct LanePtrs {
-  const unsigned char *q, *k, *dqi, *dki;
-  const float *ang, *sc, *ga, *dqk;
+  int qo, go;
+  const float *ang, *rs;
 };
 
-template <int N>
-__device__ __forceinline__ void load_unit(const LanePtrs& l, const Pos& p, Buf& u) {
-  constexpr int kH = N / 2 * 2;  // byte offset of run 1
-  ld_global_words<8>(l.q + p.oq * 2, u.q);
-  ld_global_words<8>(l.q + p.oq * 2 + kH, u.q + 2);
-  ld_global_words<8>(l.k + p.oq * 2, u.k);
-  ld_global_words<8>(l.k + p.oq * 2 + kH, u.k + 2);
-  ld_global_words<8>(l.dqi + p.og * 2, u.x);
-  ld_global_words<8>(l.dqi + p.og * 2 + kH, u.x + 2);
-  ld_global_words<8>(l.dki + p.og * 2, u.y);
-  ld_global_words<8>(l.dki + p.og * 2 + kH, u.y + 2);
-  ld_global_words<8>(l.ang + p.oa, u.an);
-  u.sc = __ldg(l.sc + p.os);
-  u.ga = __ldg(l.ga + p.os);
-  u.dqk = __ldg(l.dqk + p.os);
+// The sums of K values across the rows of a warp (xor masks M, 2M, ..., 16; M = lanes per row),
+// transposed: at each exchange a lane keeps the half of its values selected by its mask bit
+// (upper when set) and receives the partner's copy of that half. Afterwards v[0 .. K / rows)
+// holds the full sums of the values from offset sum_j bit_j * K / 2^(j+1). Each sum is
+// keep + received: the same additions, in the same tree, as a plain xor butterfly.
+template <int K, int M>
+__device__ __forceinline__ void rows_reduce_t(float* v, int lane) {
+  if constexpr (M < 32) {
+    const bool up = (lane & M) != 0;
+#pragma unroll
+    for (int j = 0; j < K / 2; ++j) {
+      const float send = up ? v[j] : v[j + K / 2];
+      const float keep = up ? v[j + K / 2] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+    }
+    rows_reduce_t<K / 2, 2 * M>(v, lane);
+  }
 }
 
-template <class Tg, int N>
+template <int N>
+__device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l, const Pos& p,
+                                          Buf& u) {
+  constexpr int kH = N / 2 * 2;  // byte offset of run 1
+  const int oq = l.qo + p.oq * 2, og = l.go + p.og * 2;
+  ld_global_words<8>(a.q + oq, u.q);
+  ld_global_words<8>(a.q + oq + kH, u.q + 2);
+  ld_global_words<8>(a.k + oq, u.k);
+  ld_global_words<8>(a.k + oq + kH, u.k + 2);
+  ld_global_words<8>(a.dqi + og, u.x);
+  ld_global_words<8>(a.dqi + og + kH, u.x + 2);
+  ld_global_words<8>(a.dki + og, u.y);
+  ld_global_words<8>(a.dki + og + kH, u.y + 2);
+  ld_global_words<8>(l.ang + p.oa, u.an);
+  u.rs = __ldg(l.rs + p.os);
+}
+
+// kDepth 0: the block walk, head terms summed in shared memory, two-deep pipeline. kDepth 2 or 3:
+// every warp holds all heads of the group (WH = 1): dq/dk summed across the warp's rows, each warp
+// walks a contiguous range of rows with a kDepth-deep pipeline. kDok (block walk): d_ok_state
+// given, a compile-time flag (without it no per-position test). The whole-group walk is only
+// instantiated with kDok and tests a.has_dok at run time: without the d_ok_state code its
+// three-deep pipeline spilled (ptxas scheduled the loads differently).
+template <class Tg, int N, int kDepth, bool kDok>
 __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant__ SplitArgs a) {
   using E = Elem<Tg>;
+  constexpr bool kWhole = kDepth > 0;
   constexpr int LPR = N / 8, HR = 32 / LPR;
   constexpr int N4 = N / 4;  // float4 per (position, q|k) row of the head terms
   extern __shared__ __align__(16) float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int WH = a.WH, HG = a.HG, PB = a.PB;
+  const int WH = kWhole ? 1 : a.WH, HG = kWhole ? HR : a.HG, PB = a.PB;
   const int wh = warp % WH, wr = warp / WH;
   const int hr = lane / LPR, col = lane % LPR;
   const int g = blockIdx.y;
   const int head = wh * HR + hr;  // within the group
   const int h = g * HG + head;
   LanePtrs lp;
-  lp.q = a.q + (g * a.q_sg + 4 * col) * 2;
-  lp.k = a.k + (g * a.q_sg + 4 * col) * 2;
-  lp.dqi = a.dqi + (static_cast<int64_t>(h) * a.gi_sh + 4 * col) * 2;
-  lp.dki = a.dki + (static_cast<int64_t>(h) * a.gi_sh + 4 * col) * 2;
+  lp.qo = (g * a.q_sg + 4 * col) * 2;
+  lp.go = (h * a.gi_sh + 4 * col) * 2;
   lp.ang = a.ang + static_cast<int64_t>(h) * a.an_sh + 2 * col;
-  lp.sc = a.sc + static_cast<int64_t>(h) * a.sm_sh;
-  lp.ga = a.ga + static_cast<int64_t>(h) * a.sm_sh;
-  lp.dqk = a.dqk + static_cast<int64_t>(h) * a.sm_sh;
+  lp.rs = (col == 0 ? a.sc : col == 1 ? a.ga : a.dqk) + static_cast<int64_t>(h) * a.sm_sh;
 
-  // This lane's bias columns (float32; any dtype and stride).
-  float bq[8], bk[8];
+  // Block walk: this lane's bias columns in registers (float32; any dtype and stride).
+  float bqr[8], bkr[8];
+  if constexpr (!kWhole) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const int64_t n = e < 4 ? 4 * col + e : N / 2 + 4 * col + e - 4;
-    bq[e] = load_rt(a.qb + (h * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
-    bk[e] = load_rt(a.kb + (h * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb);
+    for (int e = 0; e < 8; ++e) {
+      const int64_t n = e < 4 ? 4 * col + e : N / 2 + 4 * col + e - 4;
+      bqr[e] = load_rt(a.qb + (h * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
+      bkr[e] = load_rt(a.kb + (h * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb);
+    }
   }
+  // Whole-group walk: the group's q/k biases as float32 in shared memory, [head][q|k][N], read
+  // back as float4 per run at each position: the 16 registers go to the three-deep pipeline.
+  // The same float values as a load per lane. (Filled while the first loads are in flight.)
+  float* const btab = smem + a.tab_off;
+  auto fill_bias_table = [&] {
+    const int NV = HG * 2 * N;
+    constexpr int kF = 8;  // loads in flight per thread
+    for (int i0 = threadIdx.x; i0 < NV; i0 += kF * blockDim.x) {
+      float v[kF];
+#pragma unroll
+      for (int u = 0; u < kF; ++u) {
+        const int i = i0 + u * static_cast<int>(blockDim.x);
+        const int64_t hh = g * HG + i / (2 * N), n = i % N;
+        v[u] = 0.f;
+        if (i < NV)
+          v[u] = (i / N) & 1
+                     ? load_rt(a.kb + (hh * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb)
+                     : load_rt(a.qb + (hh * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
+      }
+#pragma unroll
+      for (int u = 0; u < kF; ++u) {
+        const int i = i0 + u * static_cast<int>(blockDim.x);
+        if (i < NV) btab[i] = v[u];
+      }
+    }
+    __syncthreads();
+  };
+  // This lane's bias runs: q run 0, run 1 at lb[0], lb[N4 / 2]; k's at lb[N4], lb[N4 + N4 / 2].
+  const float4* const lb = reinterpret_cast<const float4*>(btab) + head * 2 * N4 + col;
   float sq[8], sk[8];  // this lane's q/k bias gradient terms, summed over all its positions
 #pragma unroll
   for (int e = 0; e < 8; ++e) sq[e] = sk[e] = 0.f;
@@ -166,7 +229,21 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     E::template unpack<8>(u.k, kf);
     E::template unpack<8>(u.x, x);
     E::template unpack<8>(u.y, y);
-    const float scl = u.sc, gd = u.dqk * u.ga;
+    float bq[8], bk[8];
+    if constexpr (!kWhole) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) bq[e] = bqr[e], bk[e] = bkr[e];
+    } else {
+      const float4 q0 = lb[0], q1 = lb[N4 / 2], k0 = lb[N4], k1 = lb[N4 + N4 / 2];
+      bq[0] = q0.x, bq[1] = q0.y, bq[2] = q0.z, bq[3] = q0.w;
+      bq[4] = q1.x, bq[5] = q1.y, bq[6] = q1.z, bq[7] = q1.w;
+      bk[0] = k0.x, bk[1] = k0.y, bk[2] = k0.z, bk[3] = k0.w;
+      bk[4] = k1.x, bk[5] = k1.y, bk[6] = k1.z, bk[7] = k1.w;
+    }
+    const float scl = __shfl_sync(0xffffffffu, u.rs, 0, LPR);
+    const float gam = __shfl_sync(0xffffffffu, u.rs, 1, LPR);
+    const float dqk = __shfl_sync(0xffffffffu, u.rs, 2, LPR);
+    const float gd = dqk * gam;
     float dsc = 0.f, qkd = 0.f, dan[2], sn[2], cs[2];
     float* dqp = dqdk;
     float* dkp = dqdk + 8;
@@ -188,7 +265,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       if (i < 2) dan[i] = pt.dan;
     }
     // d_ok_state enters dk (and so dk_bias and dangles) at a sequence's last position.
-    if (a.has_dok && p.val) {
+    if (kDok && (kDepth == 0 || a.has_dok) && p.val) {
       int dseq = -1;
       if (!a.varlen) {
         if (p.s == a.S - 1) dseq = p.b;
@@ -223,7 +300,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     if (p.val) {
       const int os = p.os + h * a.sm_sh;
       if (col == 0) a.dsc[os] = rv[0];
-      if (col == LPR / 2) a.dga[os] = u.dqk * rv[0];
+      if (col == LPR / 2) a.dga[os] = dqk * rv[0];
       *reinterpret_cast<float2*>(a.dang + (p.oa + h * a.an_sh + 2 * col)) =
           make_float2(dan[0], dan[1]);
 #pragma unroll
@@ -234,21 +311,34 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     }
   };
 
-  // dq, dk of a position held by a warp with all heads of the group: sums across its HR rows
-  // (xor butterfly: every lane ends with the same sums), stored by row 0.
+  // dq, dk of a position held by a warp with all heads of the group: sums across its HR rows by
+  // a transposed butterfly (each exchange sends half of the remaining values: 16 - 16 / HR
+  // shuffles instead of 16 log2 HR), after which row r holds the full sums of the 16 / HR values
+  // from offset sel(r) (bit j of r selects the upper half at exchange j) and stores them. The
+  // same additions as a plain butterfly ((h0 + h1) + (h2 + h3) at HR = 4): same bits.
   auto store_whole = [&](const Pos& p, float* v) {
+    rows_reduce_t<16, LPR>(v, lane);
+    constexpr int KV = 16 / HR;  // values per lane after the exchanges
+    int sel = 0;
 #pragma unroll
-    for (int m = LPR; m < 32; m <<= 1)
-#pragma unroll
-      for (int e = 0; e < 16; ++e) v[e] += __shfl_xor_sync(0xffffffffu, v[e], m);
-    if (hr == 0 && p.val) {
+    for (int m = LPR, half = 8; m < 32; m <<= 1, half >>= 1)
+      if (lane & m) sel += half;
+    if (p.val) {
+      // v[0..16): dq run 0, run 1, dk run 0, run 1 (4 values each); this lane's KV values start
+      // at sel: tensor sel / 8, run (sel / 4) % 2, element offset sel % 4 in the run.
       const int oo = (p.b * a.go_sb + p.s * a.go_ss + g * a.go_sg + 4 * col) * 2;  // bytes
-      uint32_t w[8];
-      E::template pack<16>(v, w);  // dq run 0, run 1, dk run 0, run 1
-      st_global_words<8>(a.dq + oo, w);
-      st_global_words<8>(a.dq + oo + N, w + 2);
-      st_global_words<8>(a.dk + oo, w + 4);
-      st_global_words<8>(a.dk + oo + N, w + 6);
+      static_assert(KV >= 2, "HR <= 8");
+      uint32_t w[KV / 2];
+      E::template pack<KV>(v, w);
+      if constexpr (KV >= 4) {
+#pragma unroll
+        for (int r = 0; r < KV / 4; ++r) {
+          const int vi = sel + 4 * r;
+          st_global_words<8>((vi & 8 ? a.dk : a.dq) + oo + ((vi / 4) % 2) * N, w + 2 * r);
+        }
+      } else {
+        st_global_words<4>((sel & 8 ? a.dk : a.dq) + oo + ((sel / 4) % 2) * N + (sel % 4) * 2, w);
+      }
     }
   };
   // This head's dq/dk terms of block position pb into shared memory, [pb][q|k][head][N]: the heads
@@ -266,74 +356,135 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     rk[N4 / 2 + col] = make_float4(v[12], v[13], v[14], v[15]);
   };
 
-  const int stride = static_cast<int>(gridDim.x);
-  int blk = blockIdx.x;
-  Buf A, B;
-  Pos P = pos_of(blk * PB + wr * kUnits, a);
-  load_unit<N>(lp, P, A);
-  for (; blk < a.nblk; blk += stride) {
-    const int row0 = blk * PB + wr * kUnits;
-    // Unit i of the block: prefetch unit i+1 (or the next block's first) into `fill`, compute
-    // unit i from `use`.
-    auto step = [&](int i, const Buf& use, Buf& fill) {
-      Pos Pn;
-      if (i + 1 < kUnits) {
-        Pn = pos_next(P, row0 + i + 1, a);
-      } else {
-        Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a);
+  // Register pipeline buffers (Cb: three-deep whole-group walk only).
+  Buf A, B, Cb;
+  if constexpr (kWhole) {
+    // Each warp walks a contiguous range [r0, r1) of rows, the grid's warps splitting the rows
+    // evenly (no block granularity: at the GQA shape ~8 rows per warp in all).
+    const int nw = static_cast<int>(gridDim.x * (blockDim.x >> 5));
+    const int gw = static_cast<int>(blockIdx.x * (blockDim.x >> 5)) + warp;
+    const int r0 = static_cast<int>(static_cast<int64_t>(a.rows) * gw / nw);
+    const int r1 = static_cast<int>(static_cast<int64_t>(a.rows) * (gw + 1) / nw);
+    Pos P0 = pos_of(r0, r1, a);
+    load_unit<N>(a, lp, P0, A);
+    fill_bias_table();  // while those loads are in flight
+    int row = r0;
+    if constexpr (kDepth == 3) {
+      Pos P1 = pos_next(P0, r0 + 1, r1, a);
+      load_unit<N>(a, lp, P1, B);
+      // Row `row`: load row + 2 into `fill`, compute `row` from `use`.
+      auto step = [&](const Buf& use, Buf& fill) {
+        const Pos P2 = pos_next(P1, row + 2, r1, a);
+        load_unit<N>(a, lp, P2, fill);
+        float v[16];
+        compute(P0, use, v);
+        store_whole(P0, v);
+        P0 = P1, P1 = P2;
+        ++row;
+      };
+      // Whole rounds of three, then the one or two rows left (no exit test between the steps
+      // of a round: it cost registers).
+      for (int n = (r1 - r0) / 3; n > 0; --n) {
+        step(A, Cb);
+        step(B, A);
+        step(Cb, B);
       }
-      load_unit<N>(lp, Pn, fill);
-      float v[16];
-      compute(P, use, v);
-      if (WH == 1)
-        store_whole(P, v);
-      else
-        stage_terms(wr * kUnits + i, P, v);
-      P = Pn;
-    };
-    static_assert(kUnits % 2 == 0, "the pipeline alternates two buffers");
-#pragma unroll
-    for (int i = 0; i < kUnits; i += 2) {
-      step(i, A, B);
-      step(i + 1, B, A);
+      if (row < r1) step(A, Cb);
+      if (row < r1) step(B, A);
+    } else {
+      // Two-deep: row `row` computed while row + 1 loads.
+      auto step = [&](const Buf& use, Buf& fill) {
+        const Pos P1 = pos_next(P0, row + 1, r1, a);
+        load_unit<N>(a, lp, P1, fill);
+        float v[16];
+        compute(P0, use, v);
+        store_whole(P0, v);
+        P0 = P1;
+        ++row;
+      };
+      for (int n = (r1 - r0) / 2; n > 0; --n) {
+        step(A, B);
+        step(B, A);
+      }
+      if (row < r1) step(A, B);
     }
-    if (WH > 1) {
-      // dq/dk of the block: the HG head terms of each element summed as four interleaved
-      // chains (heads h = j mod 4), then (0 + 1) + (2 + 3): a fixed order, and no 31-deep
-      // dependent chain for every thread to wait on between two barriers. Two elements per task
-      // so that every thread has work. HG is a power of two >= 2 here (see run_split).
-      __syncthreads();
-      const int tasks = PB * N;  // (position, q|k, element pair)
-      for (int t = threadIdx.x; t < tasks; t += blockDim.x) {
-        const int c2 = t % (N / 2), qk = (t / (N / 2)) & 1, pb = t / N;
-        const float2* src = reinterpret_cast<const float2*>(smem) +
-                            static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
-        float2 s;
-        if (HG == 2) {
-          const float2 u0 = src[0], u1 = src[N / 2];
-          s = make_float2(u0.x + u1.x, u0.y + u1.y);
-        } else {
-          float2 c[4] = {src[0], src[N / 2], src[2 * (N / 2)], src[3 * (N / 2)]};
-#pragma unroll 2
-          for (int hh = 4; hh < HG; hh += 4) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 u = src[(hh + j) * (N / 2)];
-              c[j].x += u.x, c[j].y += u.y;
-            }
+  } else {
+    const int stride = static_cast<int>(gridDim.x);
+    int blk = blockIdx.x;
+    Pos P = pos_of(blk * PB + wr * kUnits, a.rows, a);
+    load_unit<N>(a, lp, P, A);
+    for (; blk < a.nblk; blk += stride) {
+      const int row0 = blk * PB + wr * kUnits;
+      // The warp's units of this block all in the batch row of unit 0 and before the end (the
+      // usual case): each next position is the previous one's offsets plus the strides, no
+      // tests per position.
+      const bool inner = row0 + kUnits <= a.rows && P.s + kUnits <= a.S;
+      // Unit i of the block: prefetch unit i+1 (or the next block's first) into `fill`, compute
+      // unit i from `use`.
+      auto step = [&](int i, const Buf& use, Buf& fill) {
+        Pos Pn;
+        if (i + 1 < kUnits) {
+          if (inner) {
+            Pn = P;
+            ++Pn.s;
+            Pn.oq += a.q_ss, Pn.og += a.gi_ss, Pn.oa += a.an_ss, Pn.os += a.sm_ss;
+          } else {
+            Pn = pos_next(P, row0 + i + 1, a.rows, a);
           }
-          s = make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
-                          (c[0].y + c[1].y) + (c[2].y + c[3].y));
+        } else {
+          Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a.rows,
+                      a);
         }
-        const int off = row_off[pb];
-        if (off >= 0) {
-          const float v2[2] = {s.x, s.y};
-          uint32_t w;
-          E::template pack<2>(v2, &w);
-          *reinterpret_cast<uint32_t*>((qk ? a.dk : a.dq) + static_cast<int64_t>(off + 2 * c2) * 2) = w;
-        }
+        load_unit<N>(a, lp, Pn, fill);
+        float v[16];
+        compute(P, use, v);
+        stage_terms(wr * kUnits + i, P, v);
+        P = Pn;
+      };
+      static_assert(kUnits % 2 == 0, "the pipeline alternates two buffers");
+#pragma unroll
+      for (int i = 0; i < kUnits; i += 2) {
+        step(i, A, B);
+        step(i + 1, B, A);
       }
-      __syncthreads();
+      {
+        // dq/dk of the block: the HG head terms of each element summed as four interleaved
+        // chains (heads h = j mod 4), then (0 + 1) + (2 + 3): a fixed order, and no 31-deep
+        // dependent chain for every thread to wait on between two barriers. Two elements per task
+        // so that every thread has work. HG is a power of two >= 2 here (see run_split).
+        __syncthreads();
+        const int tasks = PB * N;  // (position, q|k, element pair)
+        for (int t = threadIdx.x; t < tasks; t += blockDim.x) {
+          const int c2 = t % (N / 2), qk = (t / (N / 2)) & 1, pb = t / N;
+          const float2* src = reinterpret_cast<const float2*>(smem) +
+                              static_cast<size_t>(pb * 2 + qk) * HG * (N / 2) + c2;
+          float2 s;
+          if (HG == 2) {
+            const float2 u0 = src[0], u1 = src[N / 2];
+            s = make_float2(u0.x + u1.x, u0.y + u1.y);
+          } else {
+            float2 c[4] = {src[0], src[N / 2], src[2 * (N / 2)], src[3 * (N / 2)]};
+#pragma unroll 2
+            for (int hh = 4; hh < HG; hh += 4) {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                const float2 u = src[(hh + j) * (N / 2)];
+                c[j].x += u.x, c[j].y += u.y;
+              }
+            }
+            s = make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
+                            (c[0].y + c[1].y) + (c[2].y + c[3].y));
+          }
+          const int off = row_off[pb];
+          if (off >= 0) {
+            const float v2[2] = {s.x, s.y};
+            uint32_t w;
+            E::template pack<2>(v2, &w);
+            *reinterpret_cast<uint32_t*>((qk ? a.dk : a.dq) + static_cast<int64_t>(off + 2 * c2) * 2) = w;
+          }
+        }
+        __syncthreads();
+      }
     }
   }
 
@@ -403,20 +554,32 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
 
 using SplitKernel = void (*)(SplitArgs);
 
-// The instantiation for (Tg, N) with its dynamic shared-memory limit raised to `smem`.
+// The instantiation for (Tg, N, depth, dok) with its dynamic shared-memory limit raised to `smem`.
+template <class Tg, int N, int kDepth, bool kDok>
+SplitKernel prepared_at(int device, size_t smem) {
+  ensure_dynamic_smem<dqk_split_kernel<Tg, N, kDepth, kDok>>(device, smem);
+  return dqk_split_kernel<Tg, N, kDepth, kDok>;
+}
+
+// depth: 0 the block walk; 2 or 3 the whole-group walk (d_ok_state tested at run time),
+// three-deep for bf16 only (f16 spilled).
 template <class Tg, int N>
-SplitKernel prepared(int device, size_t smem) {
-  ensure_dynamic_smem<dqk_split_kernel<Tg, N>>(device, smem);
-  return dqk_split_kernel<Tg, N>;
+SplitKernel prepared(int depth, bool dok, int device, size_t smem) {
+  if (depth == 0)
+    return dok ? prepared_at<Tg, N, 0, true>(device, smem)
+               : prepared_at<Tg, N, 0, false>(device, smem);
+  if constexpr (std::is_same<Tg, __nv_bfloat16>::value)
+    if (depth == 3) return prepared_at<Tg, N, 3, true>(device, smem);
+  return prepared_at<Tg, N, 2, true>(device, smem);
 }
 
 template <class Tg>
-SplitKernel kernel_for(int N, int device, size_t smem) {
+SplitKernel kernel_for(int N, int depth, bool dok, int device, size_t smem) {
   switch (N) {
-    case 32: return prepared<Tg, 32>(device, smem);
-    case 64: return prepared<Tg, 64>(device, smem);
-    case 128: return prepared<Tg, 128>(device, smem);
-    default: return prepared<Tg, 256>(device, smem);
+    case 32: return prepared<Tg, 32>(depth, dok, device, smem);
+    case 64: return prepared<Tg, 64>(depth, dok, device, smem);
+    case 128: return prepared<Tg, 128>(depth, dok, device, smem);
+    default: return prepared<Tg, 256>(depth, dok, device, smem);
   }
 }
 
@@ -464,10 +627,13 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   const int W = WH == 1 ? 8 : 16;
   const int WR = W / WH;
   const int PB = WR * kUnits;
-  // Head terms [PB][2][HG][N] floats and the PB row offsets behind them.
-  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N * 4 + PB * 4 : 0;
+  // Block walk: head terms [PB][2][HG][N] floats and the PB row offsets behind them. Whole-group
+  // walk: the bias table [HG][2][N] floats. The bias partials [WR][HG][2][N] at the end reuse
+  // the space.
+  const size_t terms = WH > 1 ? static_cast<size_t>(HG) * PB * 2 * N + PB : 0;
+  const size_t tab = WH == 1 ? static_cast<size_t>(HG) * 2 * N : 0;
   const size_t fin = static_cast<size_t>(WR) * HG * 2 * N * 4;
-  const size_t smem = std::max(terms, fin);
+  const size_t smem = std::max((terms + tab) * 4, fin);
   const DeviceProps& dp = device_props(p.device_id);
   const size_t optin = static_cast<size_t>(std::max(0, dp.smem_optin));
   const size_t per_sm = static_cast<size_t>(std::max(0, dp.smem_per_sm));
@@ -481,9 +647,17 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   int ctas = static_cast<int>(std::min<int64_t>(ctas_per_group_bound(p.G, sms, rows, occ), nblk));
   // The bias sums inside the kernel need every CTA resident at once (cooperative launch): the
   // grid must fit what the occupancy calculator allows; otherwise they run as a second kernel.
-  const SplitKernel kern = tg == DType::BF16
-                               ? kernel_for<__nv_bfloat16>(static_cast<int>(N), p.device_id, smem)
-                               : kernel_for<__half>(static_cast<int>(N), p.device_id, smem);
+  // MAMBA3_DQK_WHOLE_DEPTH=2 keeps the whole-group walk two-deep for bf16 too (A/B; same bits).
+  static const int kWholeDepth = [] {
+    const char* v = std::getenv("MAMBA3_DQK_WHOLE_DEPTH");
+    return v && v[0] == '2' ? 2 : 3;
+  }();
+  const int depth = WH == 1 ? kWholeDepth : 0;
+  const bool dok = p.has_dok != 0;
+  const SplitKernel kern =
+      tg == DType::BF16
+          ? kernel_for<__nv_bfloat16>(static_cast<int>(N), depth, dok, p.device_id, smem)
+          : kernel_for<__half>(static_cast<int>(N), depth, dok, p.device_id, smem);
   const int resident = resident_ctas(kern, p.device_id, W * 32, smem);
   const bool fused = dp.coop_launch && static_cast<int64_t>(ctas) * p.G <=
                                            static_cast<int64_t>(resident) * sms;
@@ -492,6 +666,7 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   std::memset(&a, 0, sizeof(a));
   fill_dqk_tensors(a, p, ws);
   a.WH = WH, a.WR = WR, a.PB = PB, a.nblk = static_cast<int>(nblk);
+  a.tab_off = 0;  // the table only in the whole-group walk, which has no head terms
   a.fused = fused;
   a.dqb = static_cast<float*>(p.dq_bias.data), a.dkb = static_cast<float*>(p.dk_bias.data);
   a.dqb_sh = p.dq_bias.strides[0], a.dqb_sn = p.dq_bias.strides[1];
