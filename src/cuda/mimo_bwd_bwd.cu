@@ -51,23 +51,11 @@ __global__ void __launch_bounds__(kThreads) bb_reduce_kernel(const __grid_consta
   bb::reduce_body(a);
 }
 
-// ---- The planes K1 and K3 specialised to one shape.
-// The bodies read the shape through `a.N`, `a.lgP`, ... of their argument type (a template
-// parameter): ArgsCT is Args with those fields hidden by compile-time constants, so index
-// arithmetic, masks and loop bounds fold (static SASS of K3 at N128 P64 R4 C16: ~15.9K ->
-// ~12.0K instructions, no spills). Same expressions and summation orders as the generic
-// kernels: the same bits (CUDA test MimoBwdBwdCuda.SpecializedKernelGivesIdenticalBits).
+// ---- The planes K1 and K3 specialised to one shape (bb::ArgsCT, in
+// mimo_bwd_bwd_chunk_planes.cuh so that the host-emulated tests run the same bodies).
 // Compiled for the shapes of SPEC.md's benchmark grid only (planes_kernels); every other shape
 // runs the generic kernels. MAMBA3_BB_SPECIALIZED=0 forces the generic ones for both.
-constexpr int lg2(int x) { return x <= 1 ? 0 : 1 + lg2(x / 2); }
-
-template <int N_, int P_, int R_, int C_>
-struct ArgsCT : Args {
-  static constexpr int N = N_, P = P_, R = R_, C = C_, A = N_ / 4, half = N_ / 2;
-  static constexpr int lgN = lg2(N_), lgP = lg2(P_), lgR = lg2(R_), lgC = lg2(C_);
-  static constexpr int lgT = lg2(C_ * R_);
-  static constexpr int lgtN = lg2(N_ / 16), lgtP = lg2(P_ / 16), lgtT = lg2(C_ * R_ / 16);
-};
+using bb::ArgsCT;
 
 template <int N, int P, int R, int C>
 __global__ void __launch_bounds__(bb::kPlanesThreads, 1)

@@ -819,6 +819,44 @@ BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
   }
 }
 
+// ------------------------------------------------------------------ specialised shapes
+
+// The planes K1 and K3 specialised to one shape (mimo_bwd_bwd.cu's *_ct kernels; the host-
+// emulated tests run them too). The bodies read the shape through `a.N`, `a.lgP`, ... of their
+// argument type (a template parameter): ArgsCT is Args with those fields hidden by compile-time
+// constants, so index arithmetic, masks and loop bounds fold (static SASS of K3 at N128 P64 R4
+// C16: ~15.9K -> ~12.0K instructions, no spills). Same expressions and summation orders as the
+// generic kernels: the same bits (CUDA test MimoBwdBwdCuda.SpecializedKernelGivesIdenticalBits,
+// emulated test MimoBwdBwdEmulated.PlanesKernelSpecialisedGivesIdenticalBits).
+constexpr int ct_lg2(int x) { return x <= 1 ? 0 : 1 + ct_lg2(x / 2); }
+
+template <int N_, int P_, int R_, int C_>
+struct ArgsCT : Args {
+  static constexpr int N = N_, P = P_, R = R_, C = C_, A = N_ / 4, half = N_ / 2;
+  static constexpr int lgN = ct_lg2(N_), lgP = ct_lg2(P_), lgR = ct_lg2(R_), lgC = ct_lg2(C_);
+  static constexpr int lgT = ct_lg2(C_ * R_);
+  static constexpr int lgtN = ct_lg2(N_ / 16), lgtP = ct_lg2(P_ / 16),
+                       lgtT = ct_lg2(C_ * R_ / 16);
+};
+
+// K3's phase-0 rows loaded a chunk ahead (chunk_planes_body: RawRows): per thread, kx rows of
+// the [T][P] x / dPhiO loop and ks rows of the [N][P] states loop (their pair_rows mappings),
+// compile-time only in the specialised kernels (on); the generic kernel loads them in phase 0.
+// On only at the shapes where it measured faster (H200, session 12: planes K3 N128 P64 R4 C16
+// 1.843 -> 1.79 ms, R2 C32 1.000 -> 0.967); at N256 C8 and N128 P128 C8 the carried rows spilled
+// (+13%, +20%), and the other shapes were not measured with it.
+template <class AT>
+struct RawCounts {
+  static constexpr bool on = false;
+  static constexpr int kx = 1, ks = 1;
+};
+template <int N, int P, int R, int C>
+struct RawCounts<ArgsCT<N, P, R, C>> {
+  static constexpr bool on = N == 128 && P == 64 && ((R == 4 && C == 16) || (R == 2 && C == 32));
+  static constexpr int kx = (C * R * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
+  static constexpr int ks = (N * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
+};
+
 // (x, dPhiO) pair of a [T][P] row: x = v mimo_v, g = dPhiO.
 struct XGPair {
   float2 x, g;
@@ -936,8 +974,77 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     }
   };
 
+  // Phase 0's x / dPhiO rows (v, dout) and states / dS rows, loaded a chunk ahead into
+  // registers (raw bf16 pairs, fp32 dS pairs): issued right after the previous chunk's DQ / DK
+  // barrier, consumed at the top of this chunk's phase 0. Why: phase 0 waited on these loads
+  // (L2 hits, prefetch_item) in three rounds (x / dPhiO, then the states in groups of eight
+  // rows), the largest long-scoreboard stalls of K3 (~7% of its samples at N128, ~9% at N256 C8
+  // in ncu); issued a chunk ahead, their latency overlaps the DQ / DK stores, the DMIMO_V
+  // partial and stage_chunk. Specialised kernels only (compile-time counts: RawCounts) and the
+  // benchmark's layout: no gate, bf16 dout and states, pair loads (raw_on); elsewhere phase 0
+  // loads them itself. The same rows per thread in the same order, the same values (ld2_t's,
+  // rank_weights' as rt_ld_raw / rt_raw_f), the same arithmetic: the same bits.
+  using RC = RawCounts<AT>;
+  struct RawRows {
+    uint32_t v[RC::kx], d[RC::kx];  // bf16 pairs of v and dout (rows >= TL: not loaded)
+    uint32_t st[RC::ks];             // bf16 pairs of states[c]
+    float2 ds[RC::ks];               // dS_c pairs
+    uint32_t mv[2], mo[2];           // the thread's rank's mimo_v, mimo_o pair, raw
+  };
+  const bool raw_on = RC::on && !a.gate && a.vec_v && a.vec_dout && a.dout.dt == 1 &&
+                      a.vec_states && a.states.dt == 1;
+  RawRows raw;
+  // The thread's column pair pc and first row r0 of both pair_rows loops; rows step by rs.
+  const int raw_pc = (tid & ((1 << (lgP - 1)) - 1)) * 2, raw_r0 = tid >> (lgP - 1);
+  const int raw_rs = NT >> (lgP - 1);
+  auto load_raw = [&](int64_t item) {
+    const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
+    const int b = a.div_H.div(bh), h = bh - b * a.H;
+    const int s0 = c * C, TL = bb_min(C, a.S - s0) * R;
+    const int pc = raw_pc, r0 = raw_r0, rs = raw_rs;
+    const int r_t = r0 & (R - 1);  // every row of this thread has this rank (RankWeights)
+    {
+      const int64_t o = int64_t{h} * a.mimo_v.s[0] + r_t * a.mimo_v.s[1] + pc * a.mimo_v.s[2];
+      raw.mv[0] = rt_ld_raw(a.mimo_v.p, o, a.mimo_v.dt);
+      raw.mv[1] = rt_ld_raw(a.mimo_v.p, o + a.mimo_v.s[2], a.mimo_v.dt);
+    }
+    if (a.layout == 0) {
+      const int64_t o = int64_t{h} * a.mimo_o.s[0] + r_t * a.mimo_o.s[1] + pc * a.mimo_o.s[2];
+      raw.mo[0] = rt_ld_raw(a.mimo_o.p, o, a.mimo_o.dt);
+      raw.mo[1] = rt_ld_raw(a.mimo_o.p, o + a.mimo_o.s[2], a.mimo_o.dt);
+    }
+    const DoutRows dr = dout_rows(a, b, h);
+    const unsigned short* pv = reinterpret_cast<const unsigned short*>(a.v.p) +
+                               (int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2] +
+                                int64_t{s0} * a.v.s[1] + pc * a.v.s[3]);
+    const unsigned short* pd = reinterpret_cast<const unsigned short*>(a.dout.p) +
+                               (dr.base + int64_t{s0} * dr.st + r_t * dr.sr + pc * dr.sp);
+    BB_UNROLL
+    for (int k = 0; k < RC::kx; ++k) {
+      const int row = r0 + k * rs, i = row >> lgR;
+      if (row < TL) {
+        raw.v[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pv + i * a.v.s[1]));
+        raw.d[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pd + i * dr.st));
+      }
+    }
+    const unsigned short* ps = reinterpret_cast<const unsigned short*>(a.states.p) +
+                               (o3(a.states, b, h, c) + pc * a.states.s[4]);
+    const float* pds = a.ws_ds + item * (static_cast<int64_t>(N) * P) + pc;
+    BB_UNROLL
+    for (int k = 0; k < RC::ks; ++k) {
+      const int n = r0 + k * rs;
+      if (n < N) {
+        raw.st[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(ps + n * a.states.s[3]));
+        raw.ds[k] = *reinterpret_cast<const float2*>(pds + (n << lgP));
+      }
+    }
+  };
+
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
-  if (bb_bid() < total) stage_chunk(bb_bid());
+  if (bb_bid() < total) {
+    stage_chunk(bb_bid());
+    if (raw_on) load_raw(bb_bid());
+  }
   bb_sync();
   for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
     // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
@@ -954,6 +1061,49 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
 
     // ---- phase 0: planes (the per-step inputs were staged before the chunk: stage_chunk)
+    float dd_part = 0.f, dda_part = 0.f;
+    if (raw_on) {
+      // The rows load_raw loaded for this chunk, first (their registers freed before the
+      // rotation): the expressions of xg_rows and states_rows below (their fast paths: pair
+      // loads, bf16), rows in the same order per thread.
+      const int pc = raw_pc, r0 = raw_r0, rs = raw_rs;
+      const float2 mv =
+          make_float2(rt_raw_f(raw.mv[0], a.mimo_v.dt), rt_raw_f(raw.mv[1], a.mimo_v.dt));
+      const float2 mo = a.layout == 0 ? make_float2(rt_raw_f(raw.mo[0], a.mimo_o.dt),
+                                                    rt_raw_f(raw.mo[1], a.mimo_o.dt))
+                                      : make_float2(1.f, 1.f);
+      auto bf2 = [](uint32_t u) {  // a bf16 pair widened (ld2_t's)
+        return make_float2(mimo::mb_u2f(u << 16), mimo::mb_u2f(u & 0xffff0000u));
+      };
+      BB_UNROLL
+      for (int k = 0; k < RC::kx; ++k) {
+        const int row = r0 + k * rs;
+        if (row < T) {
+          XGPair o{};  // zero past the sequence
+          if (row < TL) {
+            const float2 vv = bf2(raw.v[k]);
+            o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
+            o.g = bf2(raw.d[k]);
+            if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
+          }
+          dd_part += o.g.x * o.x.x;
+          dd_part += o.g.y * o.x.y;
+          st_split_pair(X, row * ldP + pc, o.x);
+          st_split_pair(Gp, row * ldP + pc, o.g);
+        }
+      }
+      BB_UNROLL
+      for (int k = 0; k < RC::ks; ++k) {
+        const int n = r0 + k * rs;
+        if (n < N) {
+          const float2 sv = bf2(raw.st[k]), ds = raw.ds[k];
+          const float4 sd = make_float4(sv.x, sv.y, ds.x, ds.y);
+          dda_part += sd.x * sd.z;
+          dda_part += sd.y * sd.w;
+          st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
+        }
+      }
+    }
     // Decays of the steps; zero past the sequence (those rows are zero, their products too).
     // Here, from the staged scalars (visible since the last barrier; step i's thread alone
     // reads and writes s_F[i], in place), so that phase 0's barrier publishes them and phase 1
@@ -989,98 +1139,98 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           },
           b, h, grp, s0, L, cs_tab());
     }
-    float dd_part = 0.f;
-    with_dout_dtype(a.dout.dt, [&](auto dtag) {
-      using TD = typename decltype(dtag)::type;
-      const DoutRows dr = dout_rows(a, b, h);
-      const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
-      // Every row of this thread has its rank r_t (see RankWeights): one mimo_v / mimo_o pair.
-      const int r_t = (tid >> (lgP - 1)) & (R - 1), pc_t = (tid & ((1 << (lgP - 1)) - 1)) * 2;
-      const float2 mv = rank_weights(a.mimo_v, h, r_t, pc_t);
-      const float2 mo =
-          a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
-      // Offsets of this thread's step s0 (its rank r_t, its columns pc_t); rows add i strides.
-      const int64_t vb = v0 + int64_t{s0} * a.v.s[1] + pc_t * vs;
-      const int64_t db = dr.base + int64_t{s0} * dr.st + r_t * dr.sr + pc_t * dr.sp;
-      // The gated rows (the combined backward) two at a time: four at a time, the gate's
-      // registers made ptxas spill; the ungated loop keeps four rows in flight. The pair-load
-      // choice (vec_tag: 1 pair loads, 0 two loads each, -1 a.vec_v / a.vec_dout at run time)
-      // is compile-time in the ungated loops, so that the fast one issues only its pair loads
-      // (with a runtime choice both paths were predicated and issued); the fallback (layouts
-      // without pair loads, rare) one row at a time: less code, the same rows in the same order.
-      auto xg_rows = [&](auto rows_tag, auto gate_tag, auto vec_tag) {
-        constexpr int U = decltype(rows_tag)::value, V = decltype(vec_tag)::value;
-        constexpr bool kGate = decltype(gate_tag)::value;
-        const bool vec_v = V < 0 ? a.vec_v != 0 : V == 1;
-        const bool vec_d = V < 0 ? a.vec_dout != 0 : V == 1;
-        pair_rows_steps<U, NT>(
-            T, lgP, lgR, a.v.s[1], dr.st,
-            [&](int row, int64_t ov, int64_t od, int pc) {
-              XGPair o{};  // zero past the sequence
-              if (row < TL) {
-                const float2 vv = ld2_t<bf16_t>(a.v, vb + ov, vs, vec_v);
-                o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
-                o.g = ld2_t<TD>(a.dout, db + od, dr.sp, vec_d);
-                if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
-                if constexpr (kGate) {
-                  const float2 gz = z_gate2(a, b, s0 + (row >> lgR), h, pc,
-                                            rank_weights(a.mimo_z, h, row & (R - 1), pc));
-                  o.g.x *= gz.x, o.g.y *= gz.y;
+    if (!raw_on) {
+      with_dout_dtype(a.dout.dt, [&](auto dtag) {
+        using TD = typename decltype(dtag)::type;
+        const DoutRows dr = dout_rows(a, b, h);
+        const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
+        // Every row of this thread has its rank r_t (see RankWeights): one mimo_v / mimo_o pair.
+        const int r_t = (tid >> (lgP - 1)) & (R - 1), pc_t = (tid & ((1 << (lgP - 1)) - 1)) * 2;
+        const float2 mv = rank_weights(a.mimo_v, h, r_t, pc_t);
+        const float2 mo =
+            a.layout == 0 ? rank_weights(a.mimo_o, h, r_t, pc_t) : make_float2(1.f, 1.f);
+        // Offsets of this thread's step s0 (its rank r_t, its columns pc_t); rows add i strides.
+        const int64_t vb = v0 + int64_t{s0} * a.v.s[1] + pc_t * vs;
+        const int64_t db = dr.base + int64_t{s0} * dr.st + r_t * dr.sr + pc_t * dr.sp;
+        // The gated rows (the combined backward) two at a time: four at a time, the gate's
+        // registers made ptxas spill; the ungated loop keeps four rows in flight. The pair-load
+        // choice (vec_tag: 1 pair loads, 0 two loads each, -1 a.vec_v / a.vec_dout at run time)
+        // is compile-time in the ungated loops, so that the fast one issues only its pair loads
+        // (with a runtime choice both paths were predicated and issued); the fallback (layouts
+        // without pair loads, rare) one row at a time: less code, the same rows in the same order.
+        auto xg_rows = [&](auto rows_tag, auto gate_tag, auto vec_tag) {
+          constexpr int U = decltype(rows_tag)::value, V = decltype(vec_tag)::value;
+          constexpr bool kGate = decltype(gate_tag)::value;
+          const bool vec_v = V < 0 ? a.vec_v != 0 : V == 1;
+          const bool vec_d = V < 0 ? a.vec_dout != 0 : V == 1;
+          pair_rows_steps<U, NT>(
+              T, lgP, lgR, a.v.s[1], dr.st,
+              [&](int row, int64_t ov, int64_t od, int pc) {
+                XGPair o{};  // zero past the sequence
+                if (row < TL) {
+                  const float2 vv = ld2_t<bf16_t>(a.v, vb + ov, vs, vec_v);
+                  o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
+                  o.g = ld2_t<TD>(a.dout, db + od, dr.sp, vec_d);
+                  if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
+                  if constexpr (kGate) {
+                    const float2 gz = z_gate2(a, b, s0 + (row >> lgR), h, pc,
+                                              rank_weights(a.mimo_z, h, row & (R - 1), pc));
+                    o.g.x *= gz.x, o.g.y *= gz.y;
+                  }
                 }
-              }
-              return o;
-            },
-            [&](int row, int pc, const XGPair& o) {
-              dd_part += o.g.x * o.x.x;
-              dd_part += o.g.y * o.x.y;
-              st_split_pair(X, row * ldP + pc, o.x);
-              st_split_pair(Gp, row * ldP + pc, o.g);
-            });
-      };
-      using Run = std::integral_constant<int, -1>;
-      using Pair = std::integral_constant<int, 1>;
-      using Two = std::integral_constant<int, 0>;
-      if (a.gate)
-        xg_rows(std::integral_constant<int, 2>{}, std::true_type{}, Run{});
-      else if (a.vec_v && a.vec_dout)
-        xg_rows(std::integral_constant<int, 4>{}, std::false_type{}, Pair{});
-      else
-        xg_rows(std::integral_constant<int, 1>{}, std::false_type{}, Two{});
-    });
-    // states[c] to planes; with them the row dots states . dS for DDA (dS, the workspace:
-    // [N][P] fp32 at an even element offset), so that the states are read once per chunk.
-    float dda_part = 0.f;
-    {
-      const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
-      // U rows in flight; ld_st(off): the states pair at elements off, off + ss4.
-      auto states_rows = [&](auto rows_tag, auto ld_st) {
-        pair_rows_lin<decltype(rows_tag)::value, NT>(
-            N, lgP, ss3,
-            [&](int n, int64_t off, int pc) {
-              const float2 st = ld_st(sb + off + pc * ss4);
-              const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
-              return make_float4(st.x, st.y, ds.x, ds.y);
-            },
-            [&](int n, int64_t, int pc, float4 sd) {
-              dda_part += sd.x * sd.z;
-              dda_part += sd.y * sd.w;
-              st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
-            });
-      };
-      // Pair loads by dtype (only they: a runtime pair choice issued both paths), eight rows
-      // in flight (a thread's eight rows at N128 P64: one memory latency, not two as with four;
-      // the same rows in the same order); layouts without pair loads (rare) in one
-      // runtime-dtype loop, a row at a time (the same values, rows and order as the pair loop).
-      if (a.vec_states)
-        with_dtype(a.states.dt, [&](auto stag) {
-          using TS = typename decltype(stag)::type;
-          states_rows(std::integral_constant<int, 8>{},
-                      [&](int64_t o) { return ld2_t<TS>(a.states, o, ss4, true); });
-        });
-      else
-        states_rows(std::integral_constant<int, 1>{}, [&](int64_t o) {
-          return make_float2(ld(a.states, o), ld(a.states, o + ss4));
-        });
+                return o;
+              },
+              [&](int row, int pc, const XGPair& o) {
+                dd_part += o.g.x * o.x.x;
+                dd_part += o.g.y * o.x.y;
+                st_split_pair(X, row * ldP + pc, o.x);
+                st_split_pair(Gp, row * ldP + pc, o.g);
+              });
+        };
+        using Run = std::integral_constant<int, -1>;
+        using Pair = std::integral_constant<int, 1>;
+        using Two = std::integral_constant<int, 0>;
+        if (a.gate)
+          xg_rows(std::integral_constant<int, 2>{}, std::true_type{}, Run{});
+        else if (a.vec_v && a.vec_dout)
+          xg_rows(std::integral_constant<int, 4>{}, std::false_type{}, Pair{});
+        else
+          xg_rows(std::integral_constant<int, 1>{}, std::false_type{}, Two{});
+      });
+      // states[c] to planes; with them the row dots states . dS for DDA (dS, the workspace:
+      // [N][P] fp32 at an even element offset), so that the states are read once per chunk.
+      {
+        const int64_t sb = o3(a.states, b, h, c), ss3 = a.states.s[3], ss4 = a.states.s[4];
+        // U rows in flight; ld_st(off): the states pair at elements off, off + ss4.
+        auto states_rows = [&](auto rows_tag, auto ld_st) {
+          pair_rows_lin<decltype(rows_tag)::value, NT>(
+              N, lgP, ss3,
+              [&](int n, int64_t off, int pc) {
+                const float2 st = ld_st(sb + off + pc * ss4);
+                const float2 ds = *reinterpret_cast<const float2*>(dS + (n << lgP) + pc);
+                return make_float4(st.x, st.y, ds.x, ds.y);
+              },
+              [&](int n, int64_t, int pc, float4 sd) {
+                dda_part += sd.x * sd.z;
+                dda_part += sd.y * sd.w;
+                st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
+              });
+        };
+        // Pair loads by dtype (only they: a runtime pair choice issued both paths), eight rows
+        // in flight (a thread's eight rows at N128 P64: one memory latency, not two as with four;
+        // the same rows in the same order); layouts without pair loads (rare) in one
+        // runtime-dtype loop, a row at a time (the same values, rows and order as the pair loop).
+        if (a.vec_states)
+          with_dtype(a.states.dt, [&](auto stag) {
+            using TS = typename decltype(stag)::type;
+            states_rows(std::integral_constant<int, 8>{},
+                        [&](int64_t o) { return ld2_t<TS>(a.states, o, ss4, true); });
+          });
+        else
+          states_rows(std::integral_constant<int, 1>{}, [&](int64_t o) {
+            return make_float2(ld(a.states, o), ld(a.states, o + ss4));
+          });
+      }
     }
     // Both block sums (DD, DDA) in one warp-shuffle reduction; its barrier also ends the loads
     // above (phase 1 reads the planes) and publishes the decays and W. The DDA total is kept
@@ -1566,6 +1716,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       }
     }
     bb_sync();  // DQ, DK complete in dqh, dkh
+    // The next chunk's phase-0 rows (their registers are free from here: see load_raw).
+    if (raw_on && item + bb_nblocks() < total) load_raw(item + bb_nblocks());
     // Their valid rows (row = i R + r: output row (s0 + i) R + r = s0 R + row) to dq and dk in
     // one loop, four columns per task (one float4 read per source, one store per quad where the
     // layout allows: Args::vec_dq, vec_dk), the output dtype dispatched once (dq and dk share

@@ -63,16 +63,29 @@ void launch(int64_t grid, int nthreads, F body) {
   mamba3::test::emu::launch(grid, nthreads, body);
 }
 
-// Which K3 the plan must take: chunk_body over the scratch slots, or the planes kernel.
-enum class K3 { Slots, Planes };
+// Which K3 the plan must take: chunk_body over the scratch slots, or the planes kernel (PlanesCT:
+// its specialised copy, bb::ArgsCT, for the first run of check_case, the generic one for the
+// second: their outputs must have the same bits).
+enum class K3 { Slots, Planes, PlanesCT };
+
+// Runs K3 specialised to (N, P, R, C) when a has that shape (rotary divisor 4, as the device
+// kernels); false otherwise.
+template <int N, int P, int R, int C>
+bool launch_planes_ct(const bb::Args& a, int64_t grid, unsigned char* smem) {
+  if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4) return false;
+  bb::ArgsCT<N, P, R, C> s;
+  static_cast<bb::Args&>(s) = a;
+  launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(s, smem); });
+  return true;
+}
 
 // Runs the four kernels exactly as src/cuda/mimo_bwd_bwd.cu launches them. scalar_loads: the
 // planes kernels' pair loads and stores replaced by their two-access fallback (what other
 // layouts take).
 void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
              bool scalar_loads = false) {
-  const bb::Plan pl = bb::make_plan(p, max_slots, k3 == K3::Planes);
-  ASSERT_EQ(pl.planes, k3 == K3::Planes) << "the plan does not take the requested K3";
+  const bb::Plan pl = bb::make_plan(p, max_slots, k3 != K3::Slots);
+  ASSERT_EQ(pl.planes, k3 != K3::Slots) << "the plan does not take the requested K3";
   std::vector<float> ws(pl.bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
   bb::Args a = bb::make_args(p, pl, ws.data());
   if (scalar_loads)
@@ -92,8 +105,14 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
     // 0xff bytes: NaN as fp32 and as bf16 (a read before a write shows up).
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.bytes), 0xff);
     // The device launches one CTA per SM (grid-stride); max_slots stands in for the SM count.
-    launch(std::min(pl.grid3, max_slots), bb::kPlanesThreads,
-           [&] { bb::chunk_planes_body(a, smem.data()); });
+    const int64_t grid = std::min(pl.grid3, max_slots);
+    if (k3 == K3::PlanesCT && !scalar_loads) {
+      ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data()) ||
+                   launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data())))
+          << "no specialised K3 of this shape in the test";
+    } else {
+      launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(a, smem.data()); });
+    }
   } else {
     auto sh = std::make_unique<bb::ChunkShared>();
     launch(pl.grid3, bb::kThreads, [&] { bb::chunk_body(a, *sh); });
@@ -120,13 +139,13 @@ const char* kNames[] = {"dq",     "dk",  "dv",    "dmimo_v",    "dangles", "dfac
 
 void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots,
                 K3 k3 = K3::Slots) {
-  if (k3 == K3::Planes && !bb::planes_allowed_by_env())
+  if (k3 != K3::Slots && !bb::planes_allowed_by_env())
     GTEST_SKIP() << "MAMBA3_BB_PLANES=0: the plan never takes the planes kernels";
   SCOPED_TRACE("B" + std::to_string(s.B) + " S" + std::to_string(s.S) + " H" +
                std::to_string(s.H) + " G" + std::to_string(s.G) + " N" + std::to_string(s.N) +
                " P" + std::to_string(s.P) + " R" + std::to_string(s.R) + " C" +
                std::to_string(s.C) + " layout" + std::to_string(s.layout) +
-               (k3 == K3::Planes ? " planes" : ""));
+               (k3 == K3::Planes ? " planes" : k3 == K3::PlanesCT ? " planes (specialised)" : ""));
   const int64_t B = s.B, S = s.S, H = s.H, G = s.G, N = s.N, P = s.P, R = s.R, C = s.C;
   const int64_t A = N / s.rdd, nch = (S + C - 1) / C;
   std::mt19937_64 rng(seed);
@@ -232,7 +251,7 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   // Against the CPU backend (same fp32 algebra: tight; the planes kernel's products round their
   // operands to hi + lo bf16 pairs, ~2^-17 each: fp32 outputs to 1e-4 as the first pass's lean
   // kernels in test_mimo_bwd_fwd_emulated.cpp) ...
-  const double tol = s.out == IoType::F32 ? (k3 == K3::Planes ? 1e-4 : 2e-5)
+  const double tol = s.out == IoType::F32 ? (k3 != K3::Slots ? 1e-4 : 2e-5)
                      : s.out == IoType::F16 ? 2e-3
                                             : 1e-2;
   for (size_t k = 0; k < got.size(); ++k) {
@@ -379,6 +398,18 @@ TEST(MimoBwdBwdEmulated, PlanesKernelWithoutAngleTable) {
   ASSERT_GE(bb::planes_layout(128, 64, 4, 16, 32).cs, 0);  // the reference shape has it
   check_case(Shape{1, 100, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, IoType::BF16, IoType::F32},
              401, bb::kMaxSlots, K3::Planes);
+}
+
+// The specialised planes K3 (bb::ArgsCT: the device's kernels at SPEC.md's grid shapes, whose
+// phase-0 rows are loaded a chunk ahead) against the generic one (check_case's second run, with
+// scalar loads): the same bits. Two CTAs over several chunks each (the loads for the next
+// chunk), full and partial chunks, reduce-O and per-rank dout.
+TEST(MimoBwdBwdEmulated, PlanesKernelSpecialisedGivesIdenticalBits) {
+  const IoType F = IoType::F32, BF = IoType::BF16;
+  check_case(Shape{1, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, F}, 501, 2,
+             K3::PlanesCT);
+  check_case(Shape{1, 20, 1, 1, 256, 64, 4, 8, 4, kPerRank, true, 0, BF, F}, 502, 1,
+             K3::PlanesCT);
 }
 
 // The planes kernel walks several chunks per CTA (the device launches one CTA per SM; here 3)
