@@ -14,27 +14,39 @@
 
 namespace mamba3::cuda::dqk {
 
-// Transposed butterfly over the lanes of a row (xor masks M, M/2, ..., 1 with M = LPR/2): K
-// values (K a power of two <= 2M) are summed so that each exchange moves half of the remaining
-// values (K-1 + log2(2M/K) shuffles instead of K*log2(2M)). Afterwards lane `col` of the row holds
-// in v[0] the full sum of value col / (2M/K). Fixed order: deterministic.
-template <int K, int M>
-__device__ __forceinline__ void row_reduce_t(float* v, int col) {
-  if constexpr (M >= 1) {
+// Transposed xor butterfly: K values per lane (K a power of two) summed over the lanes that
+// differ in the mask bits M, M/2, ..., 1 (UP = false: within a row, M = LPR / 2) or M, 2M, ..., 16
+// (UP = true: across the rows of a warp, M = LPR). At each exchange a lane keeps the half of its
+// values selected by its mask bit (upper when set) and receives the partner's copy of that half,
+// so each exchange moves half of the remaining values (K-1 + ... shuffles instead of K per mask);
+// once one value is left it is summed over the remaining masks. Afterwards v[0 ..) holds full sums:
+// within a row (K <= 2M) lane `col` holds value col / (2M / K); across rows, v[0 .. K / rows)
+// holds the values from offset sum_j bit_j(row) K / 2^(j+1). Each sum is keep + received: the same
+// additions in the same tree as a plain butterfly; a fixed order: deterministic.
+template <int K, int M, bool UP>
+__device__ __forceinline__ void xor_reduce_t(float* v, int lane) {
+  if constexpr (UP ? M < 32 : M >= 1) {
+    constexpr int kNext = UP ? 2 * M : M / 2;
     if constexpr (K > 1) {
-      const bool up = (col & M) != 0;
+      const bool up = (lane & M) != 0;
 #pragma unroll
       for (int j = 0; j < K / 2; ++j) {
         const float send = up ? v[j] : v[j + K / 2];
         const float keep = up ? v[j + K / 2] : v[j];
         v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
       }
-      row_reduce_t<K / 2, M / 2>(v, col);
+      xor_reduce_t<K / 2, kNext, UP>(v, lane);
     } else {
       v[0] += __shfl_xor_sync(0xffffffffu, v[0], M);
-      row_reduce_t<1, M / 2>(v, col);
+      xor_reduce_t<1, kNext, UP>(v, lane);
     }
   }
+}
+
+// Within a row: xor masks M, M/2, ..., 1 (M = LPR / 2).
+template <int K, int M>
+__device__ __forceinline__ void row_reduce_t(float* v, int col) {
+  xor_reduce_t<K, M, false>(v, col);
 }
 
 // Angle reduced to [-pi, pi] (two-constant Cody-Waite), then the hardware sin/cos (abs error

@@ -116,25 +116,6 @@ struct LanePtrs {
   const float *ang, *rs;
 };
 
-// The sums of K values across the rows of a warp (xor masks M, 2M, ..., 16; M = lanes per row),
-// transposed: at each exchange a lane keeps the half of its values selected by its mask bit
-// (upper when set) and receives the partner's copy of that half. Afterwards v[0 .. K / rows)
-// holds the full sums of the values from offset sum_j bit_j * K / 2^(j+1). Each sum is
-// keep + received: the same additions, in the same tree, as a plain xor butterfly.
-template <int K, int M>
-__device__ __forceinline__ void rows_reduce_t(float* v, int lane) {
-  if constexpr (M < 32) {
-    const bool up = (lane & M) != 0;
-#pragma unroll
-    for (int j = 0; j < K / 2; ++j) {
-      const float send = up ? v[j] : v[j + K / 2];
-      const float keep = up ? v[j + K / 2] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
-    }
-    rows_reduce_t<K / 2, 2 * M>(v, lane);
-  }
-}
-
 template <int N>
 __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l, const Pos& p,
                                           Buf& u) {
@@ -317,7 +298,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   // from offset sel(r) (bit j of r selects the upper half at exchange j) and stores them. The
   // same additions as a plain butterfly ((h0 + h1) + (h2 + h3) at HR = 4): same bits.
   auto store_whole = [&](const Pos& p, float* v) {
-    rows_reduce_t<16, LPR>(v, lane);
+    xor_reduce_t<16, LPR, true>(v, lane);  // across the rows: masks LPR, 2 LPR, ..., 16
     constexpr int KV = 16 / HR;  // values per lane after the exchanges
     int sel = 0;
 #pragma unroll
