@@ -494,6 +494,10 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   // coalesced) and the CTAs c = t / VW + J u (J = threads / VW splits, a thread's loads all in
   // flight together); the J split sums meet in shared memory and are added in split order: a
   // fixed order (deterministic). Why not one thread per value: ~130 dependent-latency loads each.
+  // kB = 17 loads per round: one L2 round trip at the usual grids (C <= 17 J: 132 CTAs with
+  // J = 8 at B4 / B8, 66 at GQA; with 8 per round it took 3 / 2 after the grid barrier). Each
+  // thread adds its CTAs in increasing c whatever kB is, and the unused slots add +0.f to a sum
+  // that starts at +0.f (never -0.f): the same bits as with any other kB.
   cooperative_groups::this_grid().sync();
   const int C = static_cast<int>(gridDim.x), nt = static_cast<int>(blockDim.x);
   const int e0 = static_cast<int>(static_cast<int64_t>(NV) * blockIdx.x / C);
@@ -506,7 +510,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int e = base + static_cast<int>(threadIdx.x) % VW;
     float acc = 0.f;
     if (tj < J && e < e1) {
-      constexpr int kB = 8;
+      constexpr int kB = 17;
       for (int c0 = tj; c0 < C; c0 += kB * J) {
         float v[kB];
 #pragma unroll
