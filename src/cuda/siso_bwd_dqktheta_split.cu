@@ -508,22 +508,28 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   }
 
   // This CTA's bias partial: the WR warps of each head summed in order.
-  __syncthreads();
-  float* fin = smem;  // [WR][HG][q|k][N]
-  {
-    float* r = fin + (static_cast<size_t>(wr) * HG + head) * 2 * N;
+  const int NV = HG * 2 * N;  // bias values of the group
+  float* out = a.ws + (static_cast<size_t>(g) * gridDim.x + blockIdx.x) * NV;
+  auto put = [&](float* r) {
     *reinterpret_cast<float4*>(r + 4 * col) = make_float4(sq[0], sq[1], sq[2], sq[3]);
     *reinterpret_cast<float4*>(r + N / 2 + 4 * col) = make_float4(sq[4], sq[5], sq[6], sq[7]);
     *reinterpret_cast<float4*>(r + N + 4 * col) = make_float4(sk[0], sk[1], sk[2], sk[3]);
     *reinterpret_cast<float4*>(r + N + N / 2 + 4 * col) = make_float4(sk[4], sk[5], sk[6], sk[7]);
-  }
-  __syncthreads();
-  const int NV = HG * 2 * N;  // bias values of the group
-  float* out = a.ws + (static_cast<size_t>(g) * gridDim.x + blockIdx.x) * NV;
-  for (int i = threadIdx.x; i < NV; i += blockDim.x) {
-    float s = fin[i];
-    for (int w = 1; w < a.WR; ++w) s += fin[static_cast<size_t>(w) * NV + i];
-    out[i] = s;
+  };
+  if (a.WR == 1) {
+    // One warp per head (B4 / B8): its lanes hold the whole partial, stored as it is (the same
+    // values as through shared memory, without its two barriers).
+    put(out + static_cast<size_t>(head) * 2 * N);
+  } else {
+    __syncthreads();
+    float* fin = smem;  // [WR][HG][q|k][N]
+    put(fin + (static_cast<size_t>(wr) * HG + head) * 2 * N);
+    __syncthreads();
+    for (int i = threadIdx.x; i < NV; i += blockDim.x) {
+      float s = fin[i];
+      for (int w = 1; w < a.WR; ++w) s += fin[static_cast<size_t>(w) * NV + i];
+      out[i] = s;
+    }
   }
   if (!a.fused) return;
 
