@@ -48,8 +48,7 @@ namespace {
 constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline alternates 2 buffers)
 
 struct SplitArgs : DqkTensors {
-  int WH, WR, PB;
-  int nbulk;  // block walk: whole blocks dealt in turn (a multiple of the CTAs per group)
+  int WH, WR, PB, nblk;
   int tab_off;  // float offset of the bias table in shared memory (whole-group layout)
   int pf;       // whole-group walk: L2 prefetch of the warp's first rows at the start
   // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
@@ -422,62 +421,33 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       if (row < r1) step(A, B);
     }
   } else {
-    // Rows [0, a.nbulk * PB): whole blocks dealt in turn, the same number to every CTA; the
-    // rest (fewer than PB rows per CTA) split evenly, CTA x taking [tail_row(x), tail_row(x + 1))
-    // as one partial block. Every CTA ends within a row of the others, where dealing every block
-    // in turn left a block more on some CTAs than on the rest (B4: 16 blocks on 68 CTAs, 15 on
-    // the others; B8: 63 on 8, 62 on the others).
     const int stride = static_cast<int>(gridDim.x);
     int blk = blockIdx.x;
-    auto tail_row = [&](int x) {
-      const int t0 = a.nbulk * PB;
-      return t0 + static_cast<int>(static_cast<int64_t>(a.rows - t0) * x / stride);
-    };
-    // This CTA's tail start, for the last step of the last bulk block, through shared memory (a
-    // register, or the division there, spilled at 128 registers). Every warp stores the same
-    // value and reads back its own store after __syncwarp: no CTA barrier needed.
-    __shared__ int tail0_s;
-    if (lane == 0) tail0_s = tail_row(blockIdx.x);
-    __syncwarp();
-    Pos P = pos_of((blk < a.nbulk ? blk * PB : tail_row(blockIdx.x)) + wr * kUnits, a.rows, a);
+    Pos P = pos_of(blk * PB + wr * kUnits, a.rows, a);
     load_unit<N>(a, lp, P, A);
-    // One block from row `base`. `whole` (std::true_type): a block of the bulk, every unit of
-    // every warp valid, no test per unit (the hot loop: the same code as without the tail);
-    // otherwise the partial block [base, end): a warp skips its units from `end` on.
-    auto block = [&](int base, int end, auto whole) {
-      constexpr bool kAll = decltype(whole)::value;
-      const int row0 = base + wr * kUnits;
-      const int nv = kAll ? kUnits : max(0, min(kUnits, end - row0));  // this warp's units
-      // The warp's units of this block all in the batch row of unit 0 (the usual case): each
-      // next position is the previous one's offsets plus the strides, no tests per position.
-      const bool inner = (kAll || nv == kUnits) && P.s + kUnits <= a.S;
+    for (; blk < a.nblk; blk += stride) {
+      const int row0 = blk * PB + wr * kUnits;
+      // The warp's units of this block all in the batch row of unit 0 and before the end (the
+      // usual case): each next position is the previous one's offsets plus the strides, no
+      // tests per position.
+      const bool inner = row0 + kUnits <= a.rows && P.s + kUnits <= a.S;
       // Unit i of the block: prefetch unit i+1 (or the next block's first) into `fill`, compute
-      // unit i from `use`. A unit past `end`: only its mark for the summing threads.
+      // unit i from `use`.
       auto step = [&](int i, const Buf& use, Buf& fill) {
-        if (!kAll && i >= nv) {
-          if (wh == 0 && lane == 0) row_off[wr * kUnits + i] = -1;
-          return;
-        }
-        Pos Pn = P;
+        Pos Pn;
         if (i + 1 < kUnits) {
-          if (kAll || i + 1 < nv) {
-            if (inner) {
-              ++Pn.s;
-              Pn.oq += a.q_ss, Pn.og += a.gi_ss, Pn.oa += a.an_ss, Pn.os += a.sm_ss;
-            } else {
-              Pn = pos_next(P, row0 + i + 1, a.rows, a);
-            }
-            load_unit<N>(a, lp, Pn, fill);
+          if (inner) {
+            Pn = P;
+            ++Pn.s;
+            Pn.oq += a.q_ss, Pn.og += a.gi_ss, Pn.oa += a.an_ss, Pn.os += a.sm_ss;
+          } else {
+            Pn = pos_next(P, row0 + i + 1, a.rows, a);
           }
-        } else if (kAll) {
-          int next;  // the next block's first row: of the bulk, else of this CTA's tail
-          if (blk + stride < a.nbulk)
-            next = (blk + stride) * PB;
-          else
-            next = tail0_s;
-          Pn = pos_of(next + wr * kUnits, a.rows, a);
-          load_unit<N>(a, lp, Pn, fill);
+        } else {
+          Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a.rows,
+                      a);
         }
+        load_unit<N>(a, lp, Pn, fill);
         float v[16];
         compute(P, use, v);
         stage_terms(wr * kUnits + i, P, v);
@@ -527,10 +497,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
         }
         __syncthreads();
       }
-    };
-    for (; blk < a.nbulk; blk += stride) block(blk * PB, 0, std::true_type{});
-    const int t0 = tail_row(blockIdx.x), t1 = tail_row(blockIdx.x + 1);
-    if (t0 < t1) block(t0, t1, std::false_type{});
+    }
   }
 
   // This CTA's bias partial: the WR warps of each head summed in order.
@@ -720,8 +687,7 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   SplitArgs a;
   std::memset(&a, 0, sizeof(a));
   fill_dqk_tensors(a, p, ws);
-  a.WH = WH, a.WR = WR, a.PB = PB;
-  a.nbulk = static_cast<int>(rows / PB / ctas * ctas);
+  a.WH = WH, a.WR = WR, a.PB = PB, a.nblk = static_cast<int>(nblk);
   a.tab_off = 0;  // the table only in the whole-group walk, which has no head terms
   // MAMBA3_DQK_WHOLE_PF=0 turns the whole-group walk's L2 prefetch off (A/B; same bits).
   static const bool kWholePf = [] {
