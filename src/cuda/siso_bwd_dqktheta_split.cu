@@ -50,7 +50,6 @@ constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline a
 struct SplitArgs : DqkTensors {
   int WH, WR, PB, nblk;
   int tab_off;  // float offset of the bias table in shared memory (whole-group layout)
-  int pf;       // whole-group walk: L2 prefetch of the warp's first rows at the start
   // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
   // dq_bias / dk_bias (else bias_reduce_kernel does, as for the other kernels).
   int fused;
@@ -132,18 +131,6 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
   ld_global_words<8>(a.dki + og + kH, u.y + 2);
   ld_global_words<8>(l.ang + p.oa, u.an);
   u.rs = __ldg(l.rs + p.os);
-}
-
-// An L2 prefetch of every piece load_unit reads for this lane at position p (a hint).
-template <int N>
-__device__ __forceinline__ void prefetch_unit(const SplitArgs& a, const LanePtrs& l, const Pos& p) {
-  constexpr int kH = N / 2 * 2;
-  const int oq = l.qo + p.oq * 2, og = l.go + p.og * 2;
-  const void* const ptr[10] = {a.q + oq,   a.q + oq + kH,   a.k + oq,   a.k + oq + kH,
-                               a.dqi + og, a.dqi + og + kH, a.dki + og, a.dki + og + kH,
-                               l.ang + p.oa, l.rs + p.os};
-#pragma unroll
-  for (int i = 0; i < 10; ++i) asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr[i]));
 }
 
 // kDepth 0: the block walk, head terms summed in shared memory, two-deep pipeline. kDepth 2 or 3:
@@ -367,19 +354,6 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     if constexpr (kDepth == 3) {
       P1 = pos_next(P0, r0 + 1, r1, a);
       load_unit<N>(a, lp, P1, B);
-    }
-    if (a.pf) {
-      // The warp's next rows up to r0 + kPfRows requested into L2 now: at the GQA shape (~8 rows
-      // per warp) that is all of them, so DRAM sees the whole kernel's reads from the start
-      // instead of kDepth rows per warp at a time; the register pipeline then waits on L2.
-      constexpr int kPfRows = 10;
-      Pos Q = P0;
-      if constexpr (kDepth == 3) Q = P1;
-      const int rend = min(r1, r0 + kPfRows);
-      for (int r = r0 + kDepth - 1; r < rend; ++r) {
-        Q = pos_next(Q, r, r1, a);
-        prefetch_unit<N>(a, lp, Q);
-      }
     }
     fill_bias_table();  // while those loads are in flight
     int row = r0;
@@ -689,12 +663,6 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   fill_dqk_tensors(a, p, ws);
   a.WH = WH, a.WR = WR, a.PB = PB, a.nblk = static_cast<int>(nblk);
   a.tab_off = 0;  // the table only in the whole-group walk, which has no head terms
-  // MAMBA3_DQK_WHOLE_PF=0 turns the whole-group walk's L2 prefetch off (A/B; same bits).
-  static const bool kWholePf = [] {
-    const char* v = std::getenv("MAMBA3_DQK_WHOLE_PF");
-    return !(v && v[0] == '0');
-  }();
-  a.pf = kWholePf ? 1 : 0;
   a.fused = fused;
   a.dqb = static_cast<float*>(p.dq_bias.data), a.dkb = static_cast<float*>(p.dk_bias.data);
   a.dqb_sh = p.dq_bias.strides[0], a.dqb_sn = p.dq_bias.strides[1];
