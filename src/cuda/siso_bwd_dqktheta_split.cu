@@ -348,16 +348,11 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int r1 = static_cast<int>(static_cast<int64_t>(a.rows) * (gw + 1) / nw);
     Pos P0 = pos_of(r0, r1, a);
     load_unit<N>(a, lp, P0, A);
-    // Three-deep: the second row's loads issued before the table fill too (issued after its
-    // barrier, they started a DRAM latency late: at the GQA shape a warp walks ~8 rows).
-    Pos P1;
-    if constexpr (kDepth == 3) {
-      P1 = pos_next(P0, r0 + 1, r1, a);
-      load_unit<N>(a, lp, P1, B);
-    }
     fill_bias_table();  // while those loads are in flight
     int row = r0;
     if constexpr (kDepth == 3) {
+      Pos P1 = pos_next(P0, r0 + 1, r1, a);
+      load_unit<N>(a, lp, P1, B);
       // Row `row`: load row + 2 into `fill`, compute `row` from `use`.
       auto step = [&](const Buf& use, Buf& fill) {
         const Pos P2 = pos_next(P1, row + 2, r1, a);
