@@ -470,22 +470,28 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   }
 
   // This CTA's bias partial: the WR warps of each head summed in order.
-  __syncthreads();
-  float* fin = smem;  // [WR][HG][q|k][N]
-  {
-    float* r = fin + (static_cast<size_t>(wr) * HG + head) * 2 * N;
+  const int NV = HG * 2 * N;  // bias values of the group
+  float* out = a.ws + (static_cast<size_t>(g) * gridDim.x + blockIdx.x) * NV;
+  auto put = [&](float* r) {
     *reinterpret_cast<float4*>(r + 4 * col) = make_float4(sq[0], sq[1], sq[2], sq[3]);
     *reinterpret_cast<float4*>(r + N / 2 + 4 * col) = make_float4(sq[4], sq[5], sq[6], sq[7]);
     *reinterpret_cast<float4*>(r + N + 4 * col) = make_float4(sk[0], sk[1], sk[2], sk[3]);
     *reinterpret_cast<float4*>(r + N + N / 2 + 4 * col) = make_float4(sk[4], sk[5], sk[6], sk[7]);
-  }
-  __syncthreads();
-  const int NV = HG * 2 * N;  // bias values of the group
-  float* out = a.ws + (static_cast<size_t>(g) * gridDim.x + blockIdx.x) * NV;
-  for (int i = threadIdx.x; i < NV; i += blockDim.x) {
-    float s = fin[i];
-    for (int w = 1; w < a.WR; ++w) s += fin[static_cast<size_t>(w) * NV + i];
-    out[i] = s;
+  };
+  if (a.WR == 1) {
+    // One warp per head (B4 / B8): its lanes hold the whole partial, stored as it is (the same
+    // values as through shared memory, without its two barriers).
+    put(out + static_cast<size_t>(head) * 2 * N);
+  } else {
+    __syncthreads();
+    float* fin = smem;  // [WR][HG][q|k][N]
+    put(fin + (static_cast<size_t>(wr) * HG + head) * 2 * N);
+    __syncthreads();
+    for (int i = threadIdx.x; i < NV; i += blockDim.x) {
+      float s = fin[i];
+      for (int w = 1; w < a.WR; ++w) s += fin[static_cast<size_t>(w) * NV + i];
+      out[i] = s;
+    }
   }
   if (!a.fused) return;
 
@@ -494,6 +500,10 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   // coalesced) and the CTAs c = t / VW + J u (J = threads / VW splits, a thread's loads all in
   // flight together); the J split sums meet in shared memory and are added in split order: a
   // fixed order (deterministic). Why not one thread per value: ~130 dependent-latency loads each.
+  // kB = 17 loads per round: one L2 round trip at the usual grids (C <= 17 J: 132 CTAs with
+  // J = 8 at B4 / B8, 66 at GQA; with 8 per round it took 3 / 2 after the grid barrier). Each
+  // thread adds its CTAs in increasing c whatever kB is, and the unused slots add +0.f to a sum
+  // that starts at +0.f (never -0.f): the same bits as with any other kB.
   cooperative_groups::this_grid().sync();
   const int C = static_cast<int>(gridDim.x), nt = static_cast<int>(blockDim.x);
   const int e0 = static_cast<int>(static_cast<int64_t>(NV) * blockIdx.x / C);
@@ -506,7 +516,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int e = base + static_cast<int>(threadIdx.x) % VW;
     float acc = 0.f;
     if (tj < J && e < e1) {
-      constexpr int kB = 8;
+      constexpr int kB = 17;
       for (int c0 = tj; c0 < C; c0 += kB * J) {
         float v[kB];
 #pragma unroll
