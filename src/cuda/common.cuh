@@ -211,6 +211,14 @@ __device__ __forceinline__ float load_rt(const void* p, int dt) {
   if (dt == kF32) return __ldg(static_cast<const float*>(p));
   return bits_to_float(__ldg(static_cast<const unsigned short*>(p)), dt);
 }
+// The raw 16 or 32 bits of the element at `p` (as load_rt reads them; bits_to_float gives its
+// value). Why separate: a loop of load_rt converts each value right after its load, so the next
+// iteration's load waits for this one (a memory latency per element); raw loads first, then the
+// conversions, keep them all in flight.
+__device__ __forceinline__ uint32_t load_bits_rt(const void* p, int dt) {
+  if (dt == kF32) return __ldg(static_cast<const unsigned int*>(p));
+  return __ldg(static_cast<const unsigned short*>(p));
+}
 // Stores v rounded (to nearest even) to runtime dtype `dt` at `p`.
 __device__ __forceinline__ void store_rt(void* p, int dt, float v) {
   if (dt == kF32) {

@@ -159,14 +159,22 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   lp.ang = a.ang + static_cast<int64_t>(h) * a.an_sh + 2 * col;
   lp.rs = (col == 0 ? a.sc : col == 1 ? a.ga : a.dqk) + static_cast<int64_t>(h) * a.sm_sh;
 
-  // Block walk: this lane's bias columns in registers (float32; any dtype and stride).
+  // Block walk: this lane's bias columns in registers (float32; any dtype and stride). All 16
+  // raw loads are issued before the first conversion (with load_rt per element each load waited
+  // for the previous one: ~16 L2 round trips before the first position, ncu / timeline of B4).
   float bqr[8], bkr[8];
   if constexpr (!kWhole) {
+    uint32_t uq[8], uk[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int64_t n = e < 4 ? 4 * col + e : N / 2 + 4 * col + e - 4;
-      bqr[e] = load_rt(a.qb + (h * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
-      bkr[e] = load_rt(a.kb + (h * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb);
+      uq[e] = load_bits_rt(a.qb + (h * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
+      uk[e] = load_bits_rt(a.kb + (h * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      bqr[e] = bits_to_float(uq[e], a.t_qb);
+      bkr[e] = bits_to_float(uk[e], a.t_kb);
     }
   }
   // Whole-group walk: the group's q/k biases as float32 in shared memory, [head][q|k][N], read
@@ -177,21 +185,21 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int NV = HG * 2 * N;
     constexpr int kF = 8;  // loads in flight per thread
     for (int i0 = threadIdx.x; i0 < NV; i0 += kF * blockDim.x) {
-      float v[kF];
+      uint32_t v[kF];  // raw bits: every load in flight before the first conversion
 #pragma unroll
       for (int u = 0; u < kF; ++u) {
         const int i = i0 + u * static_cast<int>(blockDim.x);
         const int64_t hh = g * HG + i / (2 * N), n = i % N;
-        v[u] = 0.f;
+        v[u] = 0u;
         if (i < NV)
           v[u] = (i / N) & 1
-                     ? load_rt(a.kb + (hh * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb)
-                     : load_rt(a.qb + (hh * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
+                     ? load_bits_rt(a.kb + (hh * a.kb_sh + n * a.kb_sn) * dt_size(a.t_kb), a.t_kb)
+                     : load_bits_rt(a.qb + (hh * a.qb_sh + n * a.qb_sn) * dt_size(a.t_qb), a.t_qb);
       }
 #pragma unroll
       for (int u = 0; u < kF; ++u) {
         const int i = i0 + u * static_cast<int>(blockDim.x);
-        if (i < NV) btab[i] = v[u];
+        if (i < NV) btab[i] = bits_to_float(v[u], (i / N) & 1 ? a.t_kb : a.t_qb);
       }
     }
     __syncthreads();
