@@ -205,6 +205,44 @@ MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const
   }
 }
 
+// Two tiles of the same columns n0.. (rows ma.. and mb..) as two warp_mma_16x16 calls, tile a
+// over k in [ka0, ka1) and tile b over [kb0, kb1), with B's fragments loaded once for the k
+// steps both take: 6 ldmatrix per 12 mma instead of 8 where the ranges overlap (the products
+// are bound by shared-memory bandwidth at 16 x 16 warp tiles: docs/PERF.md, session 14). Each
+// tile's k steps run in increasing k with the same fragments and mma as warp_mma_16x16's: the
+// same bits.
+template <bool A_KM, bool B_KN, int UNROLL>
+MB_DEV void warp_mma_16x16_pair(float (&acc_a)[2][4], int ma, int ka0, int ka1,
+                                float (&acc_b)[2][4], int mb, int kb0, int kb1,
+                                const SplitTile& A, const SplitTile& B, int n0) {
+  const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
+  const int k0 = ka0 < kb0 ? ka0 : kb0, k1 = ka1 > kb1 ? ka1 : kb1;
+  auto a_off = [&](int m0, int k) {
+    return A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
+                : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
+  };
+  auto step = [&](float (&acc)[2][4], int m0, int k, const uint32_t (&bh)[4],
+                  const uint32_t (&bl)[4]) {
+    uint32_t ah[4], al[4];
+    ldsm_split<A_KM>(ah, al, A, a_off(m0, k));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+      mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+      mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+    }
+  };
+#pragma unroll UNROLL
+  for (int k = k0; k < k1; k += 16) {
+    const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
+                        : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
+    uint32_t bh[4], bl[4];
+    ldsm_split<B_KN>(bh, bl, B, bo);
+    if (k >= ka0 && k < ka1) step(acc_a, ma, k, bh, bl);
+    if (k >= kb0 && k < kb1) step(acc_b, mb, k, bh, bl);
+  }
+}
+
 MB_DEV void zero_acc(float (&acc)[2][4]) {
 #pragma unroll
   for (int j = 0; j < 2; ++j)

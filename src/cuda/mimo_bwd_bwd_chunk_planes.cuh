@@ -857,6 +857,21 @@ struct RawCounts<ArgsCT<N, P, R, C>> {
   static constexpr int ks = (N * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
 };
 
+// K3's dqh / dkh tiles owned in pairs of the same columns (chunk_planes_body: acc_tile), so
+// that each pair's products load B once (mimo::warp_mma_16x16_pair): where the tiles are
+// exactly two per warp (nT nN = 32) and there are two row blocks or more to pair (first and
+// last, second and next-to-last: the same balance of intra-chunk k steps as tiles w and
+// 2 W - 1 - w). Specialised kernels only; the generic kernel keeps the single-tile products.
+template <class AT>
+struct PairTiles {
+  static constexpr bool on = false;
+};
+template <int N, int P, int R, int C>
+struct PairTiles<ArgsCT<N, P, R, C>> {
+  static constexpr int nT = C * R / 16, nN = N / 16;
+  static constexpr bool on = nT >= 2 && nT * nN == 2 * kPlanesWarps;
+};
+
 // (x, dPhiO) pair of a [T][P] row: x = v mimo_v, g = dPhiO.
 struct XGPair {
   float2 x, g;
@@ -1289,18 +1304,46 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // had 2 k steps (of 12) fewer than the other 8 in the dqh products and 2 more in the dkh
     // ones, each imbalance waited out at the barrier after. Only the owners change: the same
     // products per tile, the same bits.
+    // PairTiles: warp w owns the tiles (a, n) and (nT - 1 - a, n), a = w / nN, n = w mod nN
+    // (row block, column block): the same row-block balance, and one column block for both.
     static_assert(kPlanesTilesPerWarp == 2, "acc_tile pairs the tiles");
-    auto acc_tile = [&](int u) { return u == 0 ? warp : 2 * kPlanesWarps - 1 - warp; };
-    BB_UNROLL
-    for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
-      const int tile = acc_tile(u);
-      mimo::zero_acc(accq[u]);
-      if (tile < nT * nN) {
-        const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
-        inter_chunk_tile<kPartCs>(accq[u], Gp, Sp, Qh, m0, n0, P, lgR, s_E, part, nN);  // E SG
-        // Keys of steps before the tile's last row's step (M1 is zero from there on).
-        const int ke = bb_min(T, ((((m0 + 15) >> lgR) << lgR) + 15) & ~15);
-        warp_mma_16x16<false, true, kMmaUnroll>(accq[u], Mc, m0, Kh, n0, 0, ke);
+    constexpr bool kPair = PairTiles<AT>::on;
+    auto acc_tile = [&](int u) {
+      if constexpr (kPair) {
+        const int ra = warp >> lgnN, nc = warp & (nN - 1);
+        return (u == 0 ? ra : nT - 1 - ra) * nN + nc;
+      } else {
+        return u == 0 ? warp : 2 * kPlanesWarps - 1 - warp;
+      }
+    };
+    // Keys of steps before the tile's last row's step (M1 is zero from there on).
+    auto dqh_ke = [&](int m0) { return bb_min(T, ((((m0 + 15) >> lgR) << lgR) + 15) & ~15); };
+    // Queries of steps after the tile's first row's step.
+    auto dkh_kb = [&](int m0) { return bb_min(T, ((m0 >> lgR) + 1) << lgR) & ~15; };
+    if constexpr (kPair) {
+      // inter_chunk_tile's three steps for both tiles, the products paired.
+      const int ma = (acc_tile(0) >> lgnN) * 16, mb = (acc_tile(1) >> lgnN) * 16;
+      const int n0 = (acc_tile(0) & (nN - 1)) * 16;
+      mimo::zero_acc(accq[0]);
+      mimo::zero_acc(accq[1]);
+      mimo::warp_mma_16x16_pair<false, false, kMmaUnroll>(accq[0], ma, 0, P, accq[1], mb, 0, P,
+                                                          Gp, Sp, n0);  // E SG
+      tile_row_dots<kPartCs>(Qh, ma, n0, accq[0], part, nN);
+      scale_rows(accq[0], ma, lgR, s_E);
+      tile_row_dots<kPartCs>(Qh, mb, n0, accq[1], part, nN);
+      scale_rows(accq[1], mb, lgR, s_E);
+      mimo::warp_mma_16x16_pair<false, true, kMmaUnroll>(accq[0], ma, 0, dqh_ke(ma), accq[1], mb,
+                                                         0, dqh_ke(mb), Mc, Kh, n0);
+    } else {
+      BB_UNROLL
+      for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
+        const int tile = acc_tile(u);
+        mimo::zero_acc(accq[u]);
+        if (tile < nT * nN) {
+          const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
+          inter_chunk_tile<kPartCs>(accq[u], Gp, Sp, Qh, m0, n0, P, lgR, s_E, part, nN);  // E SG
+          warp_mma_16x16<false, true, kMmaUnroll>(accq[u], Mc, m0, Kh, n0, 0, dqh_ke(m0));
+        }
       }
     }
     bb_sync();  // st and mc are rewritten next
@@ -1327,17 +1370,32 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     });
     bb_sync();  // mc and the dS planes
     const float dda = expf(da_last) * red[2 * kPlanesWarps];
-    BB_UNROLL
-    for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
-      const int tile = acc_tile(u);
-      mimo::zero_acc(acck[u]);
-      if (tile < nT * nN) {
-        const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
-        inter_chunk_tile<kPartRev>(acck[u], X, Sp, Kh, m0, n0, P, lgR, s_F, part, nN);  // F SX
-        // Queries of steps after the tile's first row's step.
-        const int kb = bb_min(T, ((m0 >> lgR) + 1) << lgR) & ~15;
-        warp_mma_16x16<false, true, kMmaUnroll>(acck[u], Mc, m0, Qh, n0, kb, T);
-        tile_row_dots<kPartFac>(Kh, m0, n0, acck[u], part, nN);
+    if constexpr (kPair) {
+      const int ma = (acc_tile(0) >> lgnN) * 16, mb = (acc_tile(1) >> lgnN) * 16;
+      const int n0 = (acc_tile(0) & (nN - 1)) * 16;
+      mimo::zero_acc(acck[0]);
+      mimo::zero_acc(acck[1]);
+      mimo::warp_mma_16x16_pair<false, false, kMmaUnroll>(acck[0], ma, 0, P, acck[1], mb, 0, P,
+                                                          X, Sp, n0);  // F SX
+      tile_row_dots<kPartRev>(Kh, ma, n0, acck[0], part, nN);
+      scale_rows(acck[0], ma, lgR, s_F);
+      tile_row_dots<kPartRev>(Kh, mb, n0, acck[1], part, nN);
+      scale_rows(acck[1], mb, lgR, s_F);
+      mimo::warp_mma_16x16_pair<false, true, kMmaUnroll>(acck[0], ma, dkh_kb(ma), T, acck[1], mb,
+                                                         dkh_kb(mb), T, Mc, Qh, n0);
+      tile_row_dots<kPartFac>(Kh, ma, n0, acck[0], part, nN);
+      tile_row_dots<kPartFac>(Kh, mb, n0, acck[1], part, nN);
+    } else {
+      BB_UNROLL
+      for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
+        const int tile = acc_tile(u);
+        mimo::zero_acc(acck[u]);
+        if (tile < nT * nN) {
+          const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
+          inter_chunk_tile<kPartRev>(acck[u], X, Sp, Kh, m0, n0, P, lgR, s_F, part, nN);  // F SX
+          warp_mma_16x16<false, true, kMmaUnroll>(acck[u], Mc, m0, Qh, n0, dkh_kb(m0), T);
+          tile_row_dots<kPartFac>(Kh, m0, n0, acck[u], part, nN);
+        }
       }
     }
     bb_sync();  // mc is rewritten next; x is dead (dx goes there)
