@@ -122,6 +122,37 @@ MB_DEV void mb_prefetch_row(const unsigned char* p, int es, int64_t off, int64_t
   for (int j = 0; j < cnt; j += step) mb_prefetch_l2(p + (off + j * stride) * es);
 }
 
+// Fragment row addresses for ldmatrix: on the device 32-bit shared-window byte addresses, on the
+// host (emulation) element pointers.
+#if defined(__CUDACC__)
+using SmemAddr = uint32_t;
+MB_DEV SmemAddr smem_addr(const __nv_bfloat16* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+MB_DEV SmemAddr smem_addr_add(SmemAddr a, int elems) { return a + 2u * static_cast<uint32_t>(elems); }
+template <bool TRANS>
+MB_DEV void ldsm_at(uint32_t (&r)[4], SmemAddr a) {
+  if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  }
+}
+#else
+using SmemAddr = const __nv_bfloat16*;
+inline SmemAddr smem_addr(const __nv_bfloat16* p) { return p; }
+inline SmemAddr smem_addr_add(SmemAddr a, int elems) { return a + elems; }
+template <bool TRANS>
+inline void ldsm_at(uint32_t (&r)[4], SmemAddr a) {
+  if constexpr (TRANS) ldsm4t(r, a);
+  else ldsm4(r, a);
+}
+#endif
+
 // A split tile in shared memory: hi plane at h, lo plane `plane` elements later, row stride ld.
 struct SplitTile {
   __nv_bfloat16* h;
@@ -164,14 +195,26 @@ MB_DEV void split2f(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   lo = bf2_bits(__floats2bfloat162_rn(x0 - mb_u2f(hi << 16), x1 - mb_u2f(hi & 0xffff0000u)));
 }
 
+// The warp's lane addresses of a 16 x 16 fragment of A (rows m0.., k..) and of B (columns
+// n0.., k..) for ldmatrix (lane row lr = lane & 7, matrix lm = lane >> 3); A_KM / B_KN as in
+// warp_mma_16x16.
+template <bool A_KM>
+MB_DEV int frag_off_a(int ld, int m0, int k, int lr, int lm) {
+  return A_KM ? (k + lr + 8 * (lm >> 1)) * ld + m0 + 8 * (lm & 1)
+              : (m0 + lr + 8 * (lm & 1)) * ld + k + 8 * (lm >> 1);
+}
+template <bool B_KN>
+MB_DEV int frag_off_b(int ld, int n0, int k, int lr, int lm) {
+  return B_KN ? (k + lr + 8 * (lm & 1)) * ld + n0 + 8 * (lm >> 1)
+              : (n0 + lr + 8 * (lm >> 1)) * ld + k + 8 * (lm & 1);
+}
+
 // One k-step of warp_mma_16x16 (lane row lr = lane & 7, matrix lm = lane >> 3).
 template <bool A_KM, bool B_KN>
 MB_DEV void mma_kstep(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B, int n0,
                       int k, int lr, int lm) {
-  const int ao = A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
-                      : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
-  const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
-                      : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
+  const int ao = frag_off_a<A_KM>(A.ld, m0, k, lr, lm);
+  const int bo = frag_off_b<B_KN>(B.ld, n0, k, lr, lm);
   uint32_t ah[4], al[4], bh[4], bl[4];
   ldsm_split<A_KM>(ah, al, A, ao);
   ldsm_split<B_KN>(bh, bl, B, bo);
@@ -189,11 +232,35 @@ MB_DEV void mma_kstep(float (&acc)[2][4], const SplitTile& A, int m0, const Spli
 // lo*hi. Every lane of the warp calls it with the same arguments.
 // UNROLL > 0: the k loop unrolled UNROLL times (else as the compiler chooses: for a runtime
 // trip count nvcc emits a 16 / 8 / 4 / 2 / 1 ladder of ~30 k steps of code per call site).
-template <bool A_KM, bool B_KN, int UNROLL = 0>
+// INC: the lane addresses formed once and advanced by one add per operand and k step, B's
+// fragments loaded before A's (the same values and mma); else formed from the indices at every
+// step (mma_kstep). Chosen per caller by measurement (H200, session 14): INC took the planes K1
+// from 0.59 to 0.54 ms at N256 C8 and 0.58 to 0.51 at N128 P128 C8 (same elsewhere), but the
+// planes K3 +1.2% at N128 P64 R4 C16 (its register allocation moved). Same bits either way.
+template <bool A_KM, bool B_KN, int UNROLL = 0, bool INC = false>
 MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B,
                            int n0, int k0, int k1) {
   const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
-  if constexpr (UNROLL > 0) {
+  if constexpr (INC) {
+    SmemAddr pa = smem_addr(A.h + frag_off_a<A_KM>(A.ld, m0, k0, lr, lm));
+    SmemAddr pb = smem_addr(B.h + frag_off_b<B_KN>(B.ld, n0, k0, lr, lm));
+    const int da = A_KM ? 16 * A.ld : 16, db = B_KN ? 16 * B.ld : 16;
+    for (int k = k0; k < k1; k += 16) {
+      uint32_t bh[4], bl[4], ah[4], al[4];
+      ldsm_at<B_KN>(bh, pb);
+      ldsm_at<B_KN>(bl, smem_addr_add(pb, B.plane));
+      ldsm_at<A_KM>(ah, pa);
+      ldsm_at<A_KM>(al, smem_addr_add(pa, A.plane));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+        mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+        mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+      }
+      pa = smem_addr_add(pa, da);
+      pb = smem_addr_add(pb, db);
+    }
+  } else if constexpr (UNROLL > 0) {
 #pragma unroll UNROLL
     for (int k = k0; k < k1; k += 16) {
       mma_kstep<A_KM, B_KN>(acc, A, m0, B, n0, k, lr, lm);
@@ -217,14 +284,10 @@ MB_DEV void warp_mma_16x16_pair(float (&acc_a)[2][4], int ma, int ka0, int ka1,
                                 const SplitTile& A, const SplitTile& B, int n0) {
   const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
   const int k0 = ka0 < kb0 ? ka0 : kb0, k1 = ka1 > kb1 ? ka1 : kb1;
-  auto a_off = [&](int m0, int k) {
-    return A_KM ? (k + lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
-                : (m0 + lr + 8 * (lm & 1)) * A.ld + k + 8 * (lm >> 1);
-  };
   auto step = [&](float (&acc)[2][4], int m0, int k, const uint32_t (&bh)[4],
                   const uint32_t (&bl)[4]) {
     uint32_t ah[4], al[4];
-    ldsm_split<A_KM>(ah, al, A, a_off(m0, k));
+    ldsm_split<A_KM>(ah, al, A, frag_off_a<A_KM>(A.ld, m0, k, lr, lm));
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
@@ -234,8 +297,7 @@ MB_DEV void warp_mma_16x16_pair(float (&acc_a)[2][4], int ma, int ka0, int ka1,
   };
 #pragma unroll UNROLL
   for (int k = k0; k < k1; k += 16) {
-    const int bo = B_KN ? (k + lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
-                        : (n0 + lr + 8 * (lm >> 1)) * B.ld + k + 8 * (lm & 1);
+    const int bo = frag_off_b<B_KN>(B.ld, n0, k, lr, lm);
     uint32_t bh[4], bl[4];
     ldsm_split<B_KN>(bh, bl, B, bo);
     if (k >= ka0 && k < ka1) step(acc_a, ma, k, bh, bl);

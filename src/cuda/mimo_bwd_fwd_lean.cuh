@@ -545,36 +545,6 @@ MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const 
 
 // ------------------------------------------------------------------ products
 
-// Fragment row addresses for ldmatrix: on the device 32-bit shared-window byte addresses, on the
-// host (emulation) element pointers.
-#if defined(__CUDACC__)
-using LeanSa = uint32_t;
-MB_DEV LeanSa lean_sa(const __nv_bfloat16* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-MB_DEV LeanSa lean_sa_add(LeanSa a, int elems) { return a + 2u * static_cast<uint32_t>(elems); }
-template <bool TRANS>
-MB_DEV void lean_ldsm(uint32_t (&r)[4], LeanSa a) {
-  if constexpr (TRANS) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-  }
-}
-#else
-using LeanSa = const __nv_bfloat16*;
-inline LeanSa lean_sa(const __nv_bfloat16* p) { return p; }
-inline LeanSa lean_sa_add(LeanSa a, int elems) { return a + elems; }
-template <bool TRANS>
-inline void lean_ldsm(uint32_t (&r)[4], LeanSa a) {
-  if constexpr (TRANS) ldsm4t(r, a);
-  else ldsm4(r, a);
-}
-#endif
 
 // warp_mma_16x16 (bf16_split_mma.cuh) over k in [0, 16 nk): the same loads and the same three
 // mma per tile in the same order, but each lane's fragment addresses are formed once and then
@@ -584,25 +554,25 @@ template <bool A_KM, bool B_KN>
 MB_DEV void lean_mma(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B, int n0,
                      int nk) {
   const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
-  LeanSa pa = lean_sa(A.h + (A_KM ? (lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
+  SmemAddr pa = smem_addr(A.h + (A_KM ? (lr + 8 * (lm >> 1)) * A.ld + m0 + 8 * (lm & 1)
                                   : (m0 + lr + 8 * (lm & 1)) * A.ld + 8 * (lm >> 1)));
-  LeanSa pb = lean_sa(B.h + (B_KN ? (lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
+  SmemAddr pb = smem_addr(B.h + (B_KN ? (lr + 8 * (lm & 1)) * B.ld + n0 + 8 * (lm >> 1)
                                   : (n0 + lr + 8 * (lm >> 1)) * B.ld + 8 * (lm & 1)));
   const int da = A_KM ? 16 * A.ld : 16, db = B_KN ? 16 * B.ld : 16;
   for (int s = 0; s < nk; ++s) {
     uint32_t ah[4], al[4], bh[4], bl[4];
-    lean_ldsm<A_KM>(ah, pa);
-    lean_ldsm<A_KM>(al, lean_sa_add(pa, A.plane));
-    lean_ldsm<B_KN>(bh, pb);
-    lean_ldsm<B_KN>(bl, lean_sa_add(pb, B.plane));
+    ldsm_at<A_KM>(ah, pa);
+    ldsm_at<A_KM>(al, smem_addr_add(pa, A.plane));
+    ldsm_at<B_KN>(bh, pb);
+    ldsm_at<B_KN>(bl, smem_addr_add(pb, B.plane));
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
       mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
       mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
     }
-    pa = lean_sa_add(pa, da);
-    pb = lean_sa_add(pb, db);
+    pa = smem_addr_add(pa, da);
+    pb = smem_addr_add(pb, db);
   }
 }
 
@@ -1054,24 +1024,24 @@ MB_DEV void lean_state_update(const AT& a, const LeanTiles& tt, LeanState<ST>& s
   const SplitTile& B = tt.Xw;  // [T][P]: [k][n], read transposed
   const bool one_col = (NW & (ntp - 1)) == 0;
   // Lane addresses at k = 0, row 0 and column 0 (warp_mma_16x16's A_KM / B_KN offsets).
-  const LeanSa a0 = lean_sa(A.h + (lr + 8 * (lm >> 1)) * A.ld + 8 * (lm & 1));
-  const LeanSa b0 = lean_sa(B.h + (lr + 8 * (lm & 1)) * B.ld + 8 * (lm >> 1));
+  const SmemAddr a0 = smem_addr(A.h + (lr + 8 * (lm >> 1)) * A.ld + 8 * (lm & 1));
+  const SmemAddr b0 = smem_addr(B.h + (lr + 8 * (lm & 1)) * B.ld + 8 * (lm >> 1));
   if constexpr (ST == 2) {
     if (one_col && nj == ST) {
       // Both tiles' fragments first, then each of the three mma stages over both tiles: four
       // independent accumulator chains between dependent mma instead of two.
-      const LeanSa pb0 = lean_sa_add(b0, (w & (ntp - 1)) << 4);
+      const SmemAddr pb0 = smem_addr_add(b0, (w & (ntp - 1)) << 4);
       for (int ks = 0; ks < nk; ++ks) {
         const int ka = (ks * A.ld) << 4, kb = (ks * B.ld) << 4;
         uint32_t bh[4], bl[4], ah[ST][4], al[ST][4];
-        const LeanSa pb = lean_sa_add(pb0, kb);
-        lean_ldsm<true>(bh, pb);
-        lean_ldsm<true>(bl, lean_sa_add(pb, B.plane));
+        const SmemAddr pb = smem_addr_add(pb0, kb);
+        ldsm_at<true>(bh, pb);
+        ldsm_at<true>(bl, smem_addr_add(pb, B.plane));
 #pragma unroll
         for (int j = 0; j < ST; ++j) {
-          const LeanSa pa = lean_sa_add(a0, ka + (((w + j * NW) >> lgn) << 4));
-          lean_ldsm<true>(ah[j], pa);
-          lean_ldsm<true>(al[j], lean_sa_add(pa, A.plane));
+          const SmemAddr pa = smem_addr_add(a0, ka + (((w + j * NW) >> lgn) << 4));
+          ldsm_at<true>(ah[j], pa);
+          ldsm_at<true>(al[j], smem_addr_add(pa, A.plane));
         }
 #pragma unroll
         for (int j = 0; j < ST; ++j)
@@ -1097,14 +1067,14 @@ MB_DEV void lean_state_update(const AT& a, const LeanTiles& tt, LeanState<ST>& s
       if (j >= nj) break;
       const int tile = w + j * NW;
       if (j == 0 || !one_col) {
-        const LeanSa pb = lean_sa_add(b0, kb + ((tile & (ntp - 1)) << 4));
-        lean_ldsm<true>(bh, pb);
-        lean_ldsm<true>(bl, lean_sa_add(pb, B.plane));
+        const SmemAddr pb = smem_addr_add(b0, kb + ((tile & (ntp - 1)) << 4));
+        ldsm_at<true>(bh, pb);
+        ldsm_at<true>(bl, smem_addr_add(pb, B.plane));
       }
-      const LeanSa pa = lean_sa_add(a0, ka + ((tile >> lgn) << 4));
+      const SmemAddr pa = smem_addr_add(a0, ka + ((tile >> lgn) << 4));
       uint32_t ah[4], al[4];
-      lean_ldsm<true>(ah, pa);
-      lean_ldsm<true>(al, lean_sa_add(pa, A.plane));
+      ldsm_at<true>(ah, pa);
+      ldsm_at<true>(al, smem_addr_add(pa, A.plane));
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         mma16816(s.acc[j][h], al, bh[2 * h], bh[2 * h + 1]);
