@@ -335,8 +335,15 @@ TEST(MimoBwdCombinedCpu, DISABLED_NormDdIsIllConditionedInFloat32) {
     c.z = c.norm = c.d = c.reduce_o = true;
     c.seed = 2000 + s;
     const CaseReport r = run_mimo_bwd_combined_case(c, Device::CPU, 1);
+    for (const OutputReport& o : r.outputs)
+      if (o.name == "dd")
+        std::printf("[ seed %d R%lld N%lld P%lld S%lld ] dd %.2e (float32 reference %.2e)%s\n",
+                    2000 + s, static_cast<long long>(c.R), static_cast<long long>(c.N),
+                    static_cast<long long>(c.P), static_cast<long long>(c.S), o.acc.rel_l2,
+                    o.acc.ref_rel_l2, o.acc.pass ? "" : " FAIL");
     if (!r.pass()) ++fails, ADD_FAILURE() << r.first_failure();
   }
+  std::printf("[ %d of 30 norm cases pass ]\n", 30 - fails);
   EXPECT_EQ(fails, 0);
 }
 
