@@ -35,7 +35,7 @@ void mimo_bwd_combined(const MimoCombinedParams& cp) {
   const int64_t nch = f.nchunks;
 
   // ---- first pass, into scratch (dz straight into the caller's output)
-  std::vector<float> states, qk, dmo, dmz, dnw, dpre;
+  std::vector<float> states, qk, dmo, dmz, dnw, dpre, ndd;
   f.states = scratch(states, {B, H, nch, N, P}, "states");
   f.qk_dot = scratch(qk, {B, H, S, R, R}, "qk_dot");
   if (f.reduce_o) f.dmimo_o = scratch(dmo, {B, H, R, P}, "dmimo_o");
@@ -46,6 +46,9 @@ void mimo_bwd_combined(const MimoCombinedParams& cp) {
   if (f.has_norm) {
     f.dnorm_weight = scratch(dnw, {B, H, R, P}, "dnorm_weight");
     f.dout_pre_rms = scratch(dpre, {B, H, S * R, P}, "dout_pre_rms");
+    // dD from the first pass, which still has the readout before the skip term: the second
+    // pass's sum of dout_pre_rms . x cancels (docs/ACCURACY.md, the fused norm's dD).
+    if (f.has_d) f.norm_dd = scratch(ndd, {B, H}, "norm_dd");
   }
   f.output_dtype = DType::F32;
   mimo_bwd_fwd(f);
@@ -167,8 +170,11 @@ void mimo_bwd_combined(const MimoCombinedParams& cp) {
   if (f.has_z) batch_sum_rp(dmz, cp.dmimo_z);
   if (f.has_d)
     for (int64_t h = 0; h < H; ++h) {
+      // With the norm the second pass's dd (still computed: it is a required output there) is
+      // replaced by the first pass's.
+      const std::vector<float>& src = f.has_norm ? ndd : dd;
       float s = 0.f;
-      for (int64_t bb = 0; bb < B; ++bb) s += dd[bb * H + h];
+      for (int64_t bb = 0; bb < B; ++bb) s += src[bb * H + h];
       store_at(cp.dd, cp.dd.offset(h), s);
     }
   if (f.has_norm)

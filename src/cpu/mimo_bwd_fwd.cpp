@@ -57,6 +57,28 @@ struct SumRP {
   }
 };
 
+// One (t, r) row's term of dD = sum pre . x with the fused norm: pre = dout_pre_rms as computed
+// (float32), x = v * mimo_v, s the readout before the skip term (y = s + D x), rstd and mdot as
+// in the norm branch. pre_p = rstd (G_p - y_p rstd mdot / P) with mdot = rstd G . y, so
+// pre . y = rstd (G . y) (1 - rstd^2 |y|^2 / P) = eps rstd^2 mdot exactly. When |s| << |D x|,
+// pre . x cancels and carries pre's rounding times |x|; (eps rstd^2 mdot - pre . s) / D carries
+// it times |s| only. Otherwise the direct form is as good, so the choice is per row. In double:
+// the terms are few (one per row) and this must not add float32 rounding of its own.
+double norm_dd_row(const float* pre, const float* s, const float* x, int64_t P, float D, float eps,
+                   float rstd, float mdot) {
+  double ss = 0, xx = 0, ps = 0, px = 0;
+  for (int64_t pp = 0; pp < P; ++pp) {
+    ss += static_cast<double>(s[pp]) * s[pp];
+    xx += static_cast<double>(x[pp]) * x[pp];
+    ps += static_cast<double>(pre[pp]) * s[pp];
+    px += static_cast<double>(pre[pp]) * x[pp];
+  }
+  const double Dd = D;
+  if (D == 0.f || ss >= Dd * Dd * xx) return px;
+  const double r = rstd;
+  return (static_cast<double>(eps) * r * r * static_cast<double>(mdot) - ps) / Dd;
+}
+
 // Problems whose estimated flop count exceeds this are spread over hardware_concurrency threads.
 constexpr double kParallelFlops = 4e6;
 
@@ -65,6 +87,8 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
   const int64_t nch = p.nchunks;
   const int64_t g = h / (H / G);
   const bool reduce = p.reduce_o, has_z = p.has_z, norm = p.has_norm;
+  // dD summed here (a combined backward's internal output; see norm_dd_row).
+  const bool want_dd = norm && p.has_d && p.norm_dd.data != nullptr;
 
   // Per-head parameters, converted once.
   std::vector<float> qbias(R * N), kbias(R * N), psi(R * P), phi, zeta, nw;
@@ -98,6 +122,8 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
   std::vector<float> row(std::max(N, P)), cos_t(std::max<int64_t>(A, 1)),
       sin_t(std::max<int64_t>(A, 1));
   std::vector<float> dout_row(P), z_row(P), dz_row(P), pre(P), coef(C);
+  std::vector<float> sr(want_dd ? C * R * P : 0);  // the readout before the skip term
+  double dd_sum = 0;  // fixed order: chunks, steps, ranks
   SumRP dphi(reduce ? R * P : 0), dzeta(has_z ? R * P : 0), dnw(norm ? R * P : 0);
 
   for (int64_t c = 0; c < nch; ++c) {
@@ -188,6 +214,7 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
           for (int64_t pp = 0; pp < P; ++pp) yr[pp] += a * xs[pp];
         }
         const float* xr = &x[(i * R + r) * P];
+        if (want_dd) std::copy_n(yr, P, &sr[(i * R + r) * P]);
         for (int64_t pp = 0; pp < P; ++pp) yr[pp] += Dh * xr[pp];
       }
     }
@@ -245,6 +272,9 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
           // d xhat_p / d y_q = rstd (delta_pq - xhat_p xhat_q / P).
           const float m = mdot / static_cast<float>(P);
           for (int64_t pp = 0; pp < P; ++pp) pre[pp] = rstd * (pre[pp] - yr[pp] * rstd * m);
+          if (want_dd)
+            dd_sum += norm_dd_row(pre.data(), &sr[(i * R + r) * P], &x[(i * R + r) * P], P, Dh,
+                                  eps, rstd, mdot);
           store_row(p.dout_pre_rms, p.dout_pre_rms.offset(b, h, t * R + r, 0),
                     p.dout_pre_rms.strides[3], P, pre.data());
         }
@@ -280,6 +310,7 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
   if (reduce) store_rp(p.dmimo_o, dphi);
   if (has_z) store_rp(p.dmimo_z, dzeta);
   if (norm) store_rp(p.dnorm_weight, dnw);
+  if (want_dd) store_at(p.norm_dd, p.norm_dd.offset(b, h), static_cast<float>(dd_sum));
 }
 
 }  // namespace
