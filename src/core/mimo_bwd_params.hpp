@@ -29,10 +29,10 @@ struct MimoBwdFwdParams {
   // outputs
   TensorView states, qk_dot, dmimo_o, dmimo_z, dz, dnorm_weight, dout_pre_rms;
   // Internal, not part of the C API (make_mimo_bwd_fwd_params leaves it absent): a combined
-  // backward's [B, H] float32 scratch for dD with the fused norm, summed by the first pass while
-  // the readout before the skip term is still at hand (the second pass's sum of
-  // dout_pre_rms . x is ill-conditioned in float32; docs/ACCURACY.md). Written by the CPU
-  // backend when present with has_norm and has_d; the CUDA backend ignores it.
+  // backward's [B, H, 2] float32 scratch for dD with the fused norm, computed by the first pass
+  // in float64 and kept as hi + lo (the second pass's float32 sum of dout_pre_rms . x is
+  // ill-conditioned; docs/ACCURACY.md). Written by the CPU backend when present with has_norm
+  // and has_d; the CUDA backend ignores it.
   TensorView norm_dd;
 };
 

@@ -3,7 +3,9 @@
 // reductions to the gradients of the raw inputs (formulas: golden/include/mamba3_golden/
 // mimo_bwd_bwd.hpp, mimo_bwd_combined). The gate reaches the second pass as a gated per-rank
 // dout, the fused norm as the first pass's packed pre-RMS dout. Every reduction runs in a fixed
-// order (sums over batch and sequence compensated), so results are deterministic.
+// order (sums over batch and sequence compensated), so results are deterministic. With the norm
+// and D, dD comes from the first pass in float64 (norm_dd_f64 in mimo_bwd_fwd.cpp): in float32
+// it is ill-conditioned (docs/ACCURACY.md).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,9 +48,9 @@ void mimo_bwd_combined(const MimoCombinedParams& cp) {
   if (f.has_norm) {
     f.dnorm_weight = scratch(dnw, {B, H, R, P}, "dnorm_weight");
     f.dout_pre_rms = scratch(dpre, {B, H, S * R, P}, "dout_pre_rms");
-    // dD from the first pass, which still has the readout before the skip term: the second
-    // pass's sum of dout_pre_rms . x cancels (docs/ACCURACY.md, the fused norm's dD).
-    if (f.has_d) f.norm_dd = scratch(ndd, {B, H}, "norm_dd");
+    // dD from the first pass, in float64 (hi, lo): the second pass's float32 sum of
+    // dout_pre_rms . x cancels (docs/ACCURACY.md, the fused norm's dD).
+    if (f.has_d) f.norm_dd = scratch(ndd, {B, H, 2}, "norm_dd");
   }
   f.output_dtype = DType::F32;
   mimo_bwd_fwd(f);
@@ -170,11 +172,15 @@ void mimo_bwd_combined(const MimoCombinedParams& cp) {
   if (f.has_z) batch_sum_rp(dmz, cp.dmimo_z);
   if (f.has_d)
     for (int64_t h = 0; h < H; ++h) {
-      // With the norm the second pass's dd (still computed: it is a required output there) is
-      // replaced by the first pass's.
-      const std::vector<float>& src = f.has_norm ? ndd : dd;
       float s = 0.f;
-      for (int64_t bb = 0; bb < B; ++bb) s += src[bb * H + h];
+      if (f.has_norm) {  // the first pass's (the second pass's dd, a required output there, unused)
+        double sd = 0;
+        for (int64_t bb = 0; bb < B; ++bb)
+          sd += static_cast<double>(ndd[(bb * H + h) * 2]) + ndd[(bb * H + h) * 2 + 1];
+        s = static_cast<float>(sd);
+      } else {
+        for (int64_t bb = 0; bb < B; ++bb) s += dd[bb * H + h];
+      }
       store_at(cp.dd, cp.dd.offset(h), s);
     }
   if (f.has_norm)

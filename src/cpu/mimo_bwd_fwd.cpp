@@ -57,26 +57,133 @@ struct SumRP {
   }
 };
 
-// One (t, r) row's term of dD = sum pre . x with the fused norm: pre = dout_pre_rms as computed
-// (float32), x = v * mimo_v, s the readout before the skip term (y = s + D x), rstd and mdot as
-// in the norm branch. pre_p = rstd (G_p - y_p rstd mdot / P) with mdot = rstd G . y, so
-// pre . y = rstd (G . y) (1 - rstd^2 |y|^2 / P) = eps rstd^2 mdot exactly. When |s| << |D x|,
-// pre . x cancels and carries pre's rounding times |x|; (eps rstd^2 mdot - pre . s) / D carries
-// it times |s| only. Otherwise the direct form is as good, so the choice is per row. In double:
-// the terms are few (one per row) and this must not add float32 rounding of its own.
-double norm_dd_row(const float* pre, const float* s, const float* x, int64_t P, float D, float eps,
-                   float rstd, float mdot) {
-  double ss = 0, xx = 0, ps = 0, px = 0;
-  for (int64_t pp = 0; pp < P; ++pp) {
-    ss += static_cast<double>(s[pp]) * s[pp];
-    xx += static_cast<double>(x[pp]) * x[pp];
-    ps += static_cast<double>(pre[pp]) * s[pp];
-    px += static_cast<double>(pre[pp]) * x[pp];
+// dD of one (b, h) with the fused norm (which implies z and mimo_o; D given), recomputed from
+// the inputs in float64: the readout y (states, intra-chunk and diagonal terms, D x), G = dL/dxhat
+// and the norm's projection, summed per row as rstd (G . x - (y . x) rstd^2 (G . y) / P). Why
+// float64 all the way: dD = sum dout_pre_rms . x cancels across rows (to 1/150 - 1/2000 of the
+// row terms' magnitudes on the NormDd test's failing draws), and each float32 rounding on the
+// way to y (states, bias add, rotation, exp) moves each row term by ~2^-24 of its size; with
+// the readout alone left in float32 the error stayed at the float32 reference's (up to 1.7e-5).
+// It repeats the forward once more per (b, h) (the first pass's cost again, in double).
+double norm_dd_f64(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
+  const int64_t S = p.S, H = p.H, G = p.G, N = p.N, P = p.P, R = p.R, C = p.C, A = p.A;
+  const int64_t nch = p.nchunks;
+  const int64_t g = h / (H / G);
+  std::vector<float> f(static_cast<size_t>(std::max({N, P, A, int64_t{1}})));
+  auto load = [&](const TensorView& v, int64_t off, int64_t stride, int64_t n, double* out) {
+    load_row(v, off, stride, n, f.data());
+    for (int64_t i = 0; i < n; ++i) out[i] = f[i];
+  };
+  auto at = [&](const TensorView& v, int64_t off) { return static_cast<double>(load_at(v, off)); };
+  auto sig = [](double u) { return 1.0 / (1.0 + std::exp(-u)); };
+  auto dotd = [](const double* a, const double* c, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * c[i];
+    return s;
+  };
+  std::vector<double> qbias(R * N), kbias(R * N), psi(R * P), phi(R * P), zeta(R * P), nw(P);
+  for (int64_t r = 0; r < R; ++r) {
+    load(p.q_bias, p.q_bias.offset(h, r, 0), p.q_bias.strides[2], N, &qbias[r * N]);
+    load(p.k_bias, p.k_bias.offset(h, r, 0), p.k_bias.strides[2], N, &kbias[r * N]);
+    load(p.mimo_v, p.mimo_v.offset(h, r, 0), p.mimo_v.strides[2], P, &psi[r * P]);
+    load(p.mimo_o, p.mimo_o.offset(h, r, 0), p.mimo_o.strides[2], P, &phi[r * P]);
+    load(p.mimo_z, p.mimo_z.offset(h, r, 0), p.mimo_z.strides[2], P, &zeta[r * P]);
   }
-  const double Dd = D;
-  if (D == 0.f || ss >= Dd * Dd * xx) return px;
-  const double r = rstd;
-  return (static_cast<double>(eps) * r * r * static_cast<double>(mdot) - ps) / Dd;
+  load(p.norm_weight, p.norm_weight.offset(h, 0), p.norm_weight.strides[1], P, nw.data());
+  const double Dh = at(p.d, p.d.offset(h)), eps = p.norm_eps;
+
+  std::vector<double> St(N * P, 0.0), qb(C * R * N), kb(C * R * N), qh(C * R * N), kh(C * R * N);
+  std::vector<double> x(C * R * P), qk(C * R * R), y(P), gr(P), dout(P), z(P), row(std::max(N, P));
+  std::vector<double> gamma(C), tscale(C), dacs(C), dtv(C + 1), lamv(C + 1), coef(C);
+  std::vector<double> ang(std::max<int64_t>(A, 1));
+  double dd = 0;
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t s0 = c * C, L = std::min(C, S - s0);
+    const bool partial = L < C;
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t t = s0 + i;
+      for (int64_t r = 0; r < R; ++r) {
+        double* qv = &qb[(i * R + r) * N];
+        double* kv = &kb[(i * R + r) * N];
+        load(p.q, off5(p.q, b, t, r, g, 0), p.q.strides[4], N, qv);
+        load(p.k, off5(p.k, b, t, r, g, 0), p.k.strides[4], N, kv);
+        for (int64_t n = 0; n < N; ++n) qv[n] += qbias[r * N + n], kv[n] += kbias[r * N + n];
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t r2 = 0; r2 < R; ++r2)
+          qk[(i * R + r) * R + r2] = dotd(&qb[(i * R + r) * N], &kb[(i * R + r2) * N], N);
+      load(p.angles, p.angles.offset(b, t, h, 0), p.angles.strides[3], A, ang.data());
+      std::copy_n(&qb[i * R * N], R * N, &qh[i * R * N]);
+      std::copy_n(&kb[i * R * N], R * N, &kh[i * R * N]);
+      for (int64_t r = 0; r < R; ++r)
+        for (double* w : {&qh[(i * R + r) * N], &kh[(i * R + r) * N]})
+          for (int64_t a = 0; a < A; ++a) {
+            const double u = w[a], v = w[N / 2 + a], cs = std::cos(ang[a]), sn = std::sin(ang[a]);
+            w[a] = u * cs - v * sn;
+            w[N / 2 + a] = u * sn + v * cs;
+          }
+      load(p.v, p.v.offset(b, t, h, 0), p.v.strides[3], P, row.data());
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t pp = 0; pp < P; ++pp) x[(i * R + r) * P + pp] = row[pp] * psi[r * P + pp];
+      dacs[i] = at(p.da_cs, p.da_cs.offset(b, h, t));
+    }
+    const int64_t Lx = std::min(L + 1, S - s0);
+    for (int64_t i = 0; i < Lx; ++i) {
+      dtv[i] = at(p.dt, p.dt.offset(b, h, s0 + i));
+      lamv[i] = sig(at(p.trap, p.trap.offset(b, h, s0 + i)));
+    }
+    for (int64_t i = 0; i < L; ++i) {
+      gamma[i] = dtv[i] * lamv[i];
+      tscale[i] = gamma[i] + (i + 1 < Lx ? dtv[i + 1] * (1.0 - lamv[i + 1]) : 0.0);
+    }
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t t = s0 + i;
+      for (int64_t j = 0; j < i; ++j)
+        coef[j] = tscale[j] * std::exp(partial ? dacs[i] - dacs[j]
+                                               : at(p.segsum, off5(p.segsum, b, h, c, i, j)));
+      const double inter = std::exp(dacs[i]);
+      load(p.dout, p.dout.offset(b, t, h, 0), p.dout.strides[3], P, dout.data());
+      load(p.z, p.z.offset(b, t, h, 0), p.z.strides[3], P, z.data());
+      for (int64_t r = 0; r < R; ++r) {
+        const double* q = &qh[(i * R + r) * N];
+        std::fill(y.begin(), y.end(), 0.0);
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t pp = 0; pp < P; ++pp) y[pp] += q[n] * St[n * P + pp];
+        for (int64_t pp = 0; pp < P; ++pp) y[pp] *= inter;
+        for (int64_t j = 0; j < i; ++j)
+          for (int64_t r2 = 0; r2 < R; ++r2) {
+            const double a = dotd(q, &kh[(j * R + r2) * N], N) * coef[j];
+            for (int64_t pp = 0; pp < P; ++pp) y[pp] += a * x[(j * R + r2) * P + pp];
+          }
+        for (int64_t r2 = 0; r2 < R; ++r2) {
+          const double a = gamma[i] * qk[(i * R + r) * R + r2];
+          for (int64_t pp = 0; pp < P; ++pp) y[pp] += a * x[(i * R + r2) * P + pp];
+        }
+        const double* xr = &x[(i * R + r) * P];
+        for (int64_t pp = 0; pp < P; ++pp) y[pp] += Dh * xr[pp];
+        for (int64_t pp = 0; pp < P; ++pp) {
+          const double u = z[pp] * zeta[r * P + pp];
+          gr[pp] = dout[pp] * phi[r * P + pp] * u * sig(u) * nw[pp];  // dL/dxhat
+        }
+        const double rs = 1.0 / std::sqrt(dotd(y.data(), y.data(), P) / P + eps);
+        dd += rs * (dotd(gr.data(), xr, P) -
+                    dotd(y.data(), xr, P) * rs * rs * dotd(gr.data(), y.data(), P) / P);
+      }
+    }
+    if (c + 1 < nch) {
+      const double decay = std::exp(dacs[L - 1]);
+      for (double& e : St) e *= decay;
+      for (int64_t j = 0; j < L; ++j) {
+        const double w = tscale[j] * std::exp(at(p.da_cs_rev, p.da_cs_rev.offset(b, h, s0 + j)));
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t n = 0; n < N; ++n) {
+            const double a = kh[(j * R + r) * N + n] * w;
+            for (int64_t pp = 0; pp < P; ++pp) St[n * P + pp] += a * x[(j * R + r) * P + pp];
+          }
+      }
+    }
+  }
+  return dd;
 }
 
 // Problems whose estimated flop count exceeds this are spread over hardware_concurrency threads.
@@ -87,7 +194,7 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
   const int64_t nch = p.nchunks;
   const int64_t g = h / (H / G);
   const bool reduce = p.reduce_o, has_z = p.has_z, norm = p.has_norm;
-  // dD summed here (a combined backward's internal output; see norm_dd_row).
+  // dD in float64 (a combined backward's internal output; see norm_dd_f64).
   const bool want_dd = norm && p.has_d && p.norm_dd.data != nullptr;
 
   // Per-head parameters, converted once.
@@ -122,8 +229,6 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
   std::vector<float> row(std::max(N, P)), cos_t(std::max<int64_t>(A, 1)),
       sin_t(std::max<int64_t>(A, 1));
   std::vector<float> dout_row(P), z_row(P), dz_row(P), pre(P), coef(C);
-  std::vector<float> sr(want_dd ? C * R * P : 0);  // the readout before the skip term
-  double dd_sum = 0;  // fixed order: chunks, steps, ranks
   SumRP dphi(reduce ? R * P : 0), dzeta(has_z ? R * P : 0), dnw(norm ? R * P : 0);
 
   for (int64_t c = 0; c < nch; ++c) {
@@ -214,7 +319,6 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
           for (int64_t pp = 0; pp < P; ++pp) yr[pp] += a * xs[pp];
         }
         const float* xr = &x[(i * R + r) * P];
-        if (want_dd) std::copy_n(yr, P, &sr[(i * R + r) * P]);
         for (int64_t pp = 0; pp < P; ++pp) yr[pp] += Dh * xr[pp];
       }
     }
@@ -272,9 +376,6 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
           // d xhat_p / d y_q = rstd (delta_pq - xhat_p xhat_q / P).
           const float m = mdot / static_cast<float>(P);
           for (int64_t pp = 0; pp < P; ++pp) pre[pp] = rstd * (pre[pp] - yr[pp] * rstd * m);
-          if (want_dd)
-            dd_sum += norm_dd_row(pre.data(), &sr[(i * R + r) * P], &x[(i * R + r) * P], P, Dh,
-                                  eps, rstd, mdot);
           store_row(p.dout_pre_rms, p.dout_pre_rms.offset(b, h, t * R + r, 0),
                     p.dout_pre_rms.strides[3], P, pre.data());
         }
@@ -310,7 +411,12 @@ void head(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
   if (reduce) store_rp(p.dmimo_o, dphi);
   if (has_z) store_rp(p.dmimo_z, dzeta);
   if (norm) store_rp(p.dnorm_weight, dnw);
-  if (want_dd) store_at(p.norm_dd, p.norm_dd.offset(b, h), static_cast<float>(dd_sum));
+  if (want_dd) {  // as a float pair, hi + lo: the batch sum may cancel too
+    const double v = norm_dd_f64(p, b, h);
+    const float hi = static_cast<float>(v);
+    store_at(p.norm_dd, p.norm_dd.offset(b, h, 0), hi);
+    store_at(p.norm_dd, p.norm_dd.offset(b, h, 1), static_cast<float>(v - hi));
+  }
 }
 
 }  // namespace
