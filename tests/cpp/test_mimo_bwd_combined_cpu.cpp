@@ -317,16 +317,17 @@ TEST(MimoBwdCombinedCpu, CudaTensorsAreRefusedWithoutTheCudaBackend) {
 
 namespace {
 
-// KNOWN GAP (disabled; run with --gtest_also_run_disabled_tests): with the fused pre-gate norm,
-// dD = sum dout_pre_rms . x is ill-conditioned in float32. dout_pre_rms is orthogonal to the
-// readout y by construction (the norm's projection), and y is mostly D x here, so the sum
-// cancels to a few percent of its terms and carries the float32 error of y amplified. The
-// float32 reference misses the 1e-5 tolerance itself on some of these draws (7e-5), and the
-// CPU backend fails the dual rule on about 4 of these 30 norm cases (dd 0.9e-6 .. 1.8e-5 against
-// a reference 2-10x luckier, or both above 1e-5). The grid's fixed seeds do not hit it. A fix
-// needs the first pass's readout (or dD's projection) in higher precision.
-TEST(MimoBwdCombinedCpu, DISABLED_NormDdIsIllConditionedInFloat32) {
+// With the fused pre-gate norm, dD = sum dout_pre_rms . x is ill-conditioned in float32: the
+// row terms cancel across rows (to 1/150 .. 1/2000 of their magnitudes on some of these draws),
+// so each float32 rounding on the way to the readout is amplified. The float32 reference misses
+// the 1e-5 tolerance itself on some draws (7.1e-5 here), and a float32 dD failed the dual rule
+// on 4 of these 30 (0.9e-6 .. 1.8e-5). The CPU backend computes this dD in float64 in its first
+// pass (norm_dd_f64 in src/cpu/mimo_bwd_fwd.cpp), so every draw must pass. (The grid's fixed
+// seeds do not hit the ill-conditioned case; the CUDA backend still sums dD in float32:
+// docs/ACCURACY.md.)
+TEST(MimoBwdCombinedCpu, NormDdOnIllConditionedDraws) {
   int fails = 0;
+  double worst = 0, worst_ref = 0;
   for (int s = 0; s < 60; s += 2) {
     MimoCombinedCase c;
     const int64_t Rs[] = {1, 2, 4}, Ns[] = {16, 32}, Ps[] = {32, 64, 128}, Ss[] = {5, 33, 40, 64};
@@ -336,14 +337,11 @@ TEST(MimoBwdCombinedCpu, DISABLED_NormDdIsIllConditionedInFloat32) {
     c.seed = 2000 + s;
     const CaseReport r = run_mimo_bwd_combined_case(c, Device::CPU, 1);
     for (const OutputReport& o : r.outputs)
-      if (o.name == "dd")
-        std::printf("[ seed %d R%lld N%lld P%lld S%lld ] dd %.2e (float32 reference %.2e)%s\n",
-                    2000 + s, static_cast<long long>(c.R), static_cast<long long>(c.N),
-                    static_cast<long long>(c.P), static_cast<long long>(c.S), o.acc.rel_l2,
-                    o.acc.ref_rel_l2, o.acc.pass ? "" : " FAIL");
+      if (o.name == "dd" && o.acc.rel_l2 > worst) worst = o.acc.rel_l2, worst_ref = o.acc.ref_rel_l2;
     if (!r.pass()) ++fails, ADD_FAILURE() << r.first_failure();
   }
-  std::printf("[ %d of 30 norm cases pass ]\n", 30 - fails);
+  std::printf("[ %d of 30 norm cases pass; worst dd rel_l2 %.2e (its float32 reference %.2e) ]\n",
+              30 - fails, worst, worst_ref);
   EXPECT_EQ(fails, 0);
 }
 
