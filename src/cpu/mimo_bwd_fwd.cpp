@@ -60,10 +60,11 @@ struct SumRP {
 // dD of one (b, h) with the fused norm (which implies z and mimo_o; D given), recomputed from
 // the inputs in float64: the readout y (states, intra-chunk and diagonal terms, D x), G = dL/dxhat
 // and the norm's projection, summed per row as rstd (G . x - (y . x) rstd^2 (G . y) / P). Why
-// float64 all the way: dD = sum dout_pre_rms . x cancels across rows (to 1/150 - 1/2000 of the
-// row terms' magnitudes on the NormDd test's failing draws), and each float32 rounding on the
-// way to y (states, bias add, rotation, exp) moves each row term by ~2^-24 of its size; with
-// the readout alone left in float32 the error stayed at the float32 reference's (up to 1.7e-5).
+// float64 all the way: dD = sum dout_pre_rms . x came to 1/120 - 1/5200 of sum |pre| |x| on the
+// NormDd test's failing draws (each row's term ~1/10 of |pre| |x|, the rest cancelling across
+// rows), and each float32 rounding on the way to y (states, bias add, rotation, exp) moves a
+// row's term by ~2^-24 |pre| |x|; with the readout alone left in float32 the error stayed at
+// the float32 reference's (up to 1.7e-5).
 // It repeats the forward once more per (b, h) (the first pass's cost again, in double).
 double norm_dd_f64(const MimoBwdFwdParams& p, int64_t b, int64_t h) {
   const int64_t S = p.S, H = p.H, G = p.G, N = p.N, P = p.P, R = p.R, C = p.C, A = p.A;
