@@ -319,9 +319,9 @@ namespace {
 
 // With the fused pre-gate norm, dD = sum dout_pre_rms . x is ill-conditioned in float32: on
 // some of these draws it is 1/120 .. 1/5200 of sum |dout_pre_rms| |x| (each row's term is small,
-// and the rows cancel), so each float32 rounding on the way to the readout is amplified. The float32 reference misses
-// the 1e-5 tolerance itself on some draws (7.1e-5 here), and a float32 dD failed the dual rule
-// on 4 of these 30 (0.9e-6 .. 1.8e-5). The CPU backend computes this dD in float64 in its first
+// and the rows cancel), so each float32 rounding on the way to the readout is amplified. The
+// float32 reference misses the 1e-5 tolerance itself on some draws (7.1e-5 here), and a float32
+// dD failed the dual rule on 4 of these 30 (0.9e-6 .. 1.8e-5). The CPU backend computes this dD in float64 in its first
 // pass (norm_dd_f64 in src/cpu/mimo_bwd_fwd.cpp), so every draw must pass. (The grid's fixed
 // seeds do not hit the ill-conditioned case; the CUDA backend still sums dD in float32:
 // docs/ACCURACY.md.)
