@@ -129,7 +129,9 @@ using SmemAddr = uint32_t;
 MB_DEV SmemAddr smem_addr(const __nv_bfloat16* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-MB_DEV SmemAddr smem_addr_add(SmemAddr a, int elems) { return a + 2u * static_cast<uint32_t>(elems); }
+MB_DEV SmemAddr smem_addr_add(SmemAddr a, int elems) {
+  return a + 2u * static_cast<uint32_t>(elems);
+}
 template <bool TRANS>
 MB_DEV void ldsm_at(uint32_t (&r)[4], SmemAddr a) {
   if constexpr (TRANS) {

@@ -321,10 +321,10 @@ namespace {
 // some of these draws it is 1/120 .. 1/5200 of sum |dout_pre_rms| |x| (each row's term is small,
 // and the rows cancel), so each float32 rounding on the way to the readout is amplified. The
 // float32 reference misses the 1e-5 tolerance itself on some draws (7.1e-5 here), and a float32
-// dD failed the dual rule on 4 of these 30 (0.9e-6 .. 1.8e-5). The CPU backend computes this dD in float64 in its first
-// pass (norm_dd_f64 in src/cpu/mimo_bwd_fwd.cpp), so every draw must pass. (The grid's fixed
-// seeds do not hit the ill-conditioned case; the CUDA backend still sums dD in float32:
-// docs/ACCURACY.md.)
+// dD failed the dual rule on 4 of these 30 (0.9e-6 .. 1.8e-5). The CPU backend computes this
+// dD in float64 in its first pass (norm_dd_f64 in src/cpu/mimo_bwd_fwd.cpp), so every draw must
+// pass. (The grid's fixed seeds do not hit the ill-conditioned case; the CUDA backend still sums
+// dD in float32: docs/ACCURACY.md.)
 TEST(MimoBwdCombinedCpu, NormDdOnIllConditionedDraws) {
   int fails = 0;
   double worst = 0, worst_ref = 0;
@@ -337,7 +337,8 @@ TEST(MimoBwdCombinedCpu, NormDdOnIllConditionedDraws) {
     c.seed = 2000 + s;
     const CaseReport r = run_mimo_bwd_combined_case(c, Device::CPU, 1);
     for (const OutputReport& o : r.outputs)
-      if (o.name == "dd" && o.acc.rel_l2 > worst) worst = o.acc.rel_l2, worst_ref = o.acc.ref_rel_l2;
+      if (o.name == "dd" && o.acc.rel_l2 > worst)
+        worst = o.acc.rel_l2, worst_ref = o.acc.ref_rel_l2;
     if (!r.pass()) ++fails, ADD_FAILURE() << r.first_failure();
   }
   std::printf("[ %d of 30 norm cases pass; worst dd rel_l2 %.2e (its float32 reference %.2e) ]\n",
