@@ -247,7 +247,7 @@ MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const
     SmemAddr pa = smem_addr(A.h + frag_off_a<A_KM>(A.ld, m0, k0, lr, lm));
     SmemAddr pb = smem_addr(B.h + frag_off_b<B_KN>(B.ld, n0, k0, lr, lm));
     const int da = A_KM ? 16 * A.ld : 16, db = B_KN ? 16 * B.ld : 16;
-    for (int k = k0; k < k1; k += 16) {
+    auto step = [&] {
       uint32_t bh[4], bl[4], ah[4], al[4];
       ldsm_at<B_KN>(bh, pb);
       ldsm_at<B_KN>(bl, smem_addr_add(pb, B.plane));
@@ -261,6 +261,12 @@ MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const
       }
       pa = smem_addr_add(pa, da);
       pb = smem_addr_add(pb, db);
+    };
+    if constexpr (UNROLL > 0) {
+#pragma unroll UNROLL
+      for (int k = k0; k < k1; k += 16) step();
+    } else {
+      for (int k = k0; k < k1; k += 16) step();
     }
   } else if constexpr (UNROLL > 0) {
 #pragma unroll UNROLL
@@ -280,12 +286,43 @@ MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const
 // are bound by shared-memory bandwidth at 16 x 16 warp tiles: docs/PERF.md, session 14). Each
 // tile's k steps run in increasing k with the same fragments and mma as warp_mma_16x16's: the
 // same bits.
-template <bool A_KM, bool B_KN, int UNROLL>
+// INC: lane addresses advanced per k step, as warp_mma_16x16's INC.
+template <bool A_KM, bool B_KN, int UNROLL, bool INC = false>
 MB_DEV void warp_mma_16x16_pair(float (&acc_a)[2][4], int ma, int ka0, int ka1,
                                 float (&acc_b)[2][4], int mb, int kb0, int kb1,
                                 const SplitTile& A, const SplitTile& B, int n0) {
   const int lane = mb_tid() & 31, lr = lane & 7, lm = lane >> 3;
   const int k0 = ka0 < kb0 ? ka0 : kb0, k1 = ka1 > kb1 ? ka1 : kb1;
+  if constexpr (INC) {
+    SmemAddr pa = smem_addr(A.h + frag_off_a<A_KM>(A.ld, ma, k0, lr, lm));
+    SmemAddr pc = smem_addr(A.h + frag_off_a<A_KM>(A.ld, mb, k0, lr, lm));
+    SmemAddr pb = smem_addr(B.h + frag_off_b<B_KN>(B.ld, n0, k0, lr, lm));
+    const int da = A_KM ? 16 * A.ld : 16, db = B_KN ? 16 * B.ld : 16;
+    auto tile = [&](float (&acc)[2][4], SmemAddr p, const uint32_t (&bh)[4],
+                    const uint32_t (&bl)[4]) {
+      uint32_t ah[4], al[4];
+      ldsm_at<A_KM>(ah, p);
+      ldsm_at<A_KM>(al, smem_addr_add(p, A.plane));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+        mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+        mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+      }
+    };
+#pragma unroll UNROLL
+    for (int k = k0; k < k1; k += 16) {
+      uint32_t bh[4], bl[4];
+      ldsm_at<B_KN>(bh, pb);
+      ldsm_at<B_KN>(bl, smem_addr_add(pb, B.plane));
+      if (k >= ka0 && k < ka1) tile(acc_a, pa, bh, bl);
+      if (k >= kb0 && k < kb1) tile(acc_b, pc, bh, bl);
+      pa = smem_addr_add(pa, da);
+      pc = smem_addr_add(pc, da);
+      pb = smem_addr_add(pb, db);
+    }
+    return;
+  }
   auto step = [&](float (&acc)[2][4], int m0, int k, const uint32_t (&bh)[4],
                   const uint32_t (&bl)[4]) {
     uint32_t ah[4], al[4];

@@ -297,11 +297,11 @@ BB_DEV void scale_rows(float (&acc)[2][4], int m0, int lgR, const float* f) {
 // the P columns (SG = dPhiO St^T or SX = x dS^T), its row dots with V into partial sum Which
 // (DDA_CS or DDA_CS_REV), then its rows scaled by f[row >> lgR] (E or F). The owning warp goes on
 // accumulating the intra-chunk product into acc. Every lane of the warp calls it.
-template <int Which>
+template <int Which, bool INC = false>
 BB_DEV void inter_chunk_tile(float (&acc)[2][4], const mimo::SplitTile& A, const mimo::SplitTile& Sp,
                              const mimo::SplitTile& V, int m0, int n0, int P, int lgR,
                              const float* f, float* part, int ncol_tiles) {
-  mimo::warp_mma_16x16<false, false, kMmaUnroll>(acc, A, m0, Sp, n0, 0, P);
+  mimo::warp_mma_16x16<false, false, kMmaUnroll, INC>(acc, A, m0, Sp, n0, 0, P);
   tile_row_dots<Which>(V, m0, n0, acc, part, ncol_tiles);
   scale_rows(acc, m0, lgR, f);
 }
@@ -873,6 +873,18 @@ struct PairTiles<ArgsCT<N, P, R, C>> {
   static constexpr bool on = nT >= 2 && nT * nN == 2 * kPlanesWarps;
 };
 
+// K3's products with incremental fragment addresses (warp_mma_16x16's INC) where that measured
+// faster (H200, session 14: planes K3 at N256 P64 R4 C8 -2.8%; at N128 P64 R4 C16 +1.2%, at the
+// other grid shapes within +-1%). The same bits either way.
+template <class AT>
+struct IncAddr {
+  static constexpr bool on = false;
+};
+template <int N, int P, int R, int C>
+struct IncAddr<ArgsCT<N, P, R, C>> {
+  static constexpr bool on = N == 256 && P == 64 && R == 4 && C == 8;
+};
+
 // (x, dPhiO) pair of a [T][P] row: x = v mimo_v, g = dPhiO.
 struct XGPair {
   float2 x, g;
@@ -883,6 +895,7 @@ template <class AT>
 BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   using mimo::SplitTile;
   using mimo::warp_mma_16x16;
+  constexpr bool kInc = IncAddr<AT>::on;
   constexpr int NT = kPlanesThreads;
   const PlanesLayout& Ly = a.ply;
   const int tid = bb_tid(), warp = tid >> 5;
@@ -1269,9 +1282,9 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       float acc[2][4];
       mimo::zero_acc(acc);
       if (xg)
-        warp_mma_16x16<false, false, kMmaUnroll>(acc, X, m0, Gp, n0, 0, P);
+        warp_mma_16x16<false, false, kMmaUnroll, kInc>(acc, X, m0, Gp, n0, 0, P);
       else
-        warp_mma_16x16<false, false, kMmaUnroll>(acc, Kh, m0, Qh, n0, 0, N);
+        warp_mma_16x16<false, false, kMmaUnroll, kInc>(acc, Kh, m0, Qh, n0, 0, N);
       store_tile(acc, m0, n0, xg ? XG : KQ, ldk);
     }
     bb_sync();
@@ -1327,14 +1340,14 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const int n0 = (acc_tile(0) & (nN - 1)) * 16;
       mimo::zero_acc(accq[0]);
       mimo::zero_acc(accq[1]);
-      mimo::warp_mma_16x16_pair<false, false, kMmaUnroll>(accq[0], ma, 0, P, accq[1], mb, 0, P,
-                                                          Gp, Sp, n0);  // E SG
+      mimo::warp_mma_16x16_pair<false, false, kMmaUnroll, kInc>(
+          accq[0], ma, 0, P, accq[1], mb, 0, P, Gp, Sp, n0);  // E SG
       tile_row_dots<kPartCs>(Qh, ma, n0, accq[0], part, nN);
       scale_rows(accq[0], ma, lgR, s_E);
       tile_row_dots<kPartCs>(Qh, mb, n0, accq[1], part, nN);
       scale_rows(accq[1], mb, lgR, s_E);
-      mimo::warp_mma_16x16_pair<false, true, kMmaUnroll>(accq[0], ma, 0, dqh_ke(ma), accq[1], mb,
-                                                         0, dqh_ke(mb), Mc, Kh, n0);
+      mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(
+          accq[0], ma, 0, dqh_ke(ma), accq[1], mb, 0, dqh_ke(mb), Mc, Kh, n0);
     } else {
       BB_UNROLL
       for (int u = 0; u < kPlanesTilesPerWarp; ++u) {
@@ -1342,8 +1355,9 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         mimo::zero_acc(accq[u]);
         if (tile < nT * nN) {
           const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
-          inter_chunk_tile<kPartCs>(accq[u], Gp, Sp, Qh, m0, n0, P, lgR, s_E, part, nN);  // E SG
-          warp_mma_16x16<false, true, kMmaUnroll>(accq[u], Mc, m0, Kh, n0, 0, dqh_ke(m0));
+          inter_chunk_tile<kPartCs, kInc>(
+              accq[u], Gp, Sp, Qh, m0, n0, P, lgR, s_E, part, nN);  // E SG
+          warp_mma_16x16<false, true, kMmaUnroll, kInc>(accq[u], Mc, m0, Kh, n0, 0, dqh_ke(m0));
         }
       }
     }
@@ -1376,14 +1390,14 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const int n0 = (acc_tile(0) & (nN - 1)) * 16;
       mimo::zero_acc(acck[0]);
       mimo::zero_acc(acck[1]);
-      mimo::warp_mma_16x16_pair<false, false, kMmaUnroll>(acck[0], ma, 0, P, acck[1], mb, 0, P,
-                                                          X, Sp, n0);  // F SX
+      mimo::warp_mma_16x16_pair<false, false, kMmaUnroll, kInc>(
+          acck[0], ma, 0, P, acck[1], mb, 0, P, X, Sp, n0);  // F SX
       tile_row_dots<kPartRev>(Kh, ma, n0, acck[0], part, nN);
       scale_rows(acck[0], ma, lgR, s_F);
       tile_row_dots<kPartRev>(Kh, mb, n0, acck[1], part, nN);
       scale_rows(acck[1], mb, lgR, s_F);
-      mimo::warp_mma_16x16_pair<false, true, kMmaUnroll>(acck[0], ma, dkh_kb(ma), T, acck[1], mb,
-                                                         dkh_kb(mb), T, Mc, Qh, n0);
+      mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(
+          acck[0], ma, dkh_kb(ma), T, acck[1], mb, dkh_kb(mb), T, Mc, Qh, n0);
       tile_row_dots<kPartFac>(Kh, ma, n0, acck[0], part, nN);
       tile_row_dots<kPartFac>(Kh, mb, n0, acck[1], part, nN);
     } else {
@@ -1393,8 +1407,9 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         mimo::zero_acc(acck[u]);
         if (tile < nT * nN) {
           const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
-          inter_chunk_tile<kPartRev>(acck[u], X, Sp, Kh, m0, n0, P, lgR, s_F, part, nN);  // F SX
-          warp_mma_16x16<false, true, kMmaUnroll>(acck[u], Mc, m0, Qh, n0, dkh_kb(m0), T);
+          inter_chunk_tile<kPartRev, kInc>(
+              acck[u], X, Sp, Kh, m0, n0, P, lgR, s_F, part, nN);  // F SX
+          warp_mma_16x16<false, true, kMmaUnroll, kInc>(acck[u], Mc, m0, Qh, n0, dkh_kb(m0), T);
           tile_row_dots<kPartFac>(Kh, m0, n0, acck[u], part, nN);
         }
       }
@@ -1538,11 +1553,12 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;
       float acc[2][4];
       mimo::zero_acc(acc);
-      warp_mma_16x16<false, true, kMmaUnroll>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
+      warp_mma_16x16<false, true, kMmaUnroll, kInc>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
       scale_rows(acc, m0, lgR, s_F);
       scale_rows(acc, m0, lgR, s_ts);
       // From the first row's own step on.
-      warp_mma_16x16<false, true, kMmaUnroll>(acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
+      warp_mma_16x16<false, true, kMmaUnroll, kInc>(
+          acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
       store_tile(acc, m0, p0, dx, ldx);
     }
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
