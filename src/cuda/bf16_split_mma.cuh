@@ -197,6 +197,18 @@ MB_DEV void split2f(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   lo = bf2_bits(__floats2bfloat162_rn(x0 - mb_u2f(hi << 16), x1 - mb_u2f(hi & 0xffff0000u)));
 }
 
+// acc[j] += the split product of one 16 x 16 x 16 step: lo*hi, hi*lo, hi*hi for each 8-column
+// half j (the order every caller uses: the same bits).
+MB_DEV void mma_split3(float (&acc)[2][4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                       const uint32_t (&bh)[4], const uint32_t (&bl)[4]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
+    mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
+    mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
+  }
+}
+
 // The warp's lane addresses of a 16 x 16 fragment of A (rows m0.., k..) and of B (columns
 // n0.., k..) for ldmatrix (lane row lr = lane & 7, matrix lm = lane >> 3); A_KM / B_KN as in
 // warp_mma_16x16.
@@ -220,12 +232,7 @@ MB_DEV void mma_kstep(float (&acc)[2][4], const SplitTile& A, int m0, const Spli
   uint32_t ah[4], al[4], bh[4], bl[4];
   ldsm_split<A_KM>(ah, al, A, ao);
   ldsm_split<B_KN>(bh, bl, B, bo);
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
-    mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
-    mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
-  }
+  mma_split3(acc, ah, al, bh, bl);
 }
 
 // acc[j] (16 x 8 C fragments at rows m0.., columns n0 + 8j, j < 2) += A B over k in [k0, k1)
@@ -253,12 +260,7 @@ MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const
       ldsm_at<B_KN>(bl, smem_addr_add(pb, B.plane));
       ldsm_at<A_KM>(ah, pa);
       ldsm_at<A_KM>(al, smem_addr_add(pa, A.plane));
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
-        mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
-        mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
-      }
+      mma_split3(acc, ah, al, bh, bl);
       pa = smem_addr_add(pa, da);
       pb = smem_addr_add(pb, db);
     };
@@ -303,12 +305,7 @@ MB_DEV void warp_mma_16x16_pair(float (&acc_a)[2][4], int ma, int ka0, int ka1,
       uint32_t ah[4], al[4];
       ldsm_at<A_KM>(ah, p);
       ldsm_at<A_KM>(al, smem_addr_add(p, A.plane));
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
-        mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
-        mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
-      }
+      mma_split3(acc, ah, al, bh, bl);
     };
 #pragma unroll UNROLL
     for (int k = k0; k < k1; k += 16) {
@@ -327,12 +324,7 @@ MB_DEV void warp_mma_16x16_pair(float (&acc_a)[2][4], int ma, int ka0, int ka1,
                   const uint32_t (&bl)[4]) {
     uint32_t ah[4], al[4];
     ldsm_split<A_KM>(ah, al, A, frag_off_a<A_KM>(A.ld, m0, k, lr, lm));
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
-      mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
-      mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
-    }
+    mma_split3(acc, ah, al, bh, bl);
   };
 #pragma unroll UNROLL
   for (int k = k0; k < k1; k += 16) {

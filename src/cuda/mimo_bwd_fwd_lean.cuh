@@ -565,12 +565,7 @@ MB_DEV void lean_mma(float (&acc)[2][4], const SplitTile& A, int m0, const Split
     ldsm_at<A_KM>(al, smem_addr_add(pa, A.plane));
     ldsm_at<B_KN>(bh, pb);
     ldsm_at<B_KN>(bl, smem_addr_add(pb, B.plane));
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      mma16816(acc[j], al, bh[2 * j], bh[2 * j + 1]);
-      mma16816(acc[j], ah, bl[2 * j], bl[2 * j + 1]);
-      mma16816(acc[j], ah, bh[2 * j], bh[2 * j + 1]);
-    }
+    mma_split3(acc, ah, al, bh, bl);
     pa = smem_addr_add(pa, da);
     pb = smem_addr_add(pb, db);
   }
