@@ -306,6 +306,23 @@ BB_DEV void inter_chunk_tile(float (&acc)[2][4], const mimo::SplitTile& A, const
   scale_rows(acc, m0, lgR, f);
 }
 
+// inter_chunk_tile for a warp's two tiles of one column block (PairTiles: rows ma.., mb..):
+// both zeroed, the products paired (Sp's fragments loaded once per k step), then each tile's
+// row dots and row scaling in inter_chunk_tile's order.
+template <int Which, bool INC>
+BB_DEV void inter_chunk_pair(float (&acc)[2][2][4], const mimo::SplitTile& A,
+                             const mimo::SplitTile& Sp, const mimo::SplitTile& V, int ma, int mb,
+                             int n0, int P, int lgR, const float* f, float* part, int ncol_tiles) {
+  mimo::zero_acc(acc[0]);
+  mimo::zero_acc(acc[1]);
+  mimo::warp_mma_16x16_pair<false, false, kMmaUnroll, INC>(acc[0], ma, 0, P, acc[1], mb, 0, P,
+                                                           A, Sp, n0);
+  tile_row_dots<Which>(V, ma, n0, acc[0], part, ncol_tiles);
+  scale_rows(acc[0], ma, lgR, f);
+  tile_row_dots<Which>(V, mb, n0, acc[1], part, ncol_tiles);
+  scale_rows(acc[1], mb, lgR, f);
+}
+
 // Two sums over the block of NT threads (NT a multiple of 32, NT / 32 a power of two <= 32),
 // returned to every thread; deterministic (fixed order, no atomics): each warp adds its lanes'
 // values in a butterfly (xor 16, 8, 4, 2, 1), lane 0 stores the warp's pair in red[w] and
@@ -1338,14 +1355,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       // inter_chunk_tile's three steps for both tiles, the products paired.
       const int ma = (acc_tile(0) >> lgnN) * 16, mb = (acc_tile(1) >> lgnN) * 16;
       const int n0 = (acc_tile(0) & (nN - 1)) * 16;
-      mimo::zero_acc(accq[0]);
-      mimo::zero_acc(accq[1]);
-      mimo::warp_mma_16x16_pair<false, false, kMmaUnroll, kInc>(
-          accq[0], ma, 0, P, accq[1], mb, 0, P, Gp, Sp, n0);  // E SG
-      tile_row_dots<kPartCs>(Qh, ma, n0, accq[0], part, nN);
-      scale_rows(accq[0], ma, lgR, s_E);
-      tile_row_dots<kPartCs>(Qh, mb, n0, accq[1], part, nN);
-      scale_rows(accq[1], mb, lgR, s_E);
+      inter_chunk_pair<kPartCs, kInc>(accq, Gp, Sp, Qh, ma, mb, n0, P, lgR, s_E, part, nN);  // E SG
       mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(
           accq[0], ma, 0, dqh_ke(ma), accq[1], mb, 0, dqh_ke(mb), Mc, Kh, n0);
     } else {
@@ -1388,14 +1398,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     if constexpr (kPair) {
       const int ma = (acc_tile(0) >> lgnN) * 16, mb = (acc_tile(1) >> lgnN) * 16;
       const int n0 = (acc_tile(0) & (nN - 1)) * 16;
-      mimo::zero_acc(acck[0]);
-      mimo::zero_acc(acck[1]);
-      mimo::warp_mma_16x16_pair<false, false, kMmaUnroll, kInc>(
-          acck[0], ma, 0, P, acck[1], mb, 0, P, X, Sp, n0);  // F SX
-      tile_row_dots<kPartRev>(Kh, ma, n0, acck[0], part, nN);
-      scale_rows(acck[0], ma, lgR, s_F);
-      tile_row_dots<kPartRev>(Kh, mb, n0, acck[1], part, nN);
-      scale_rows(acck[1], mb, lgR, s_F);
+      inter_chunk_pair<kPartRev, kInc>(acck, X, Sp, Kh, ma, mb, n0, P, lgR, s_F, part, nN);  // F SX
       mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(
           acck[0], ma, dkh_kb(ma), T, acck[1], mb, dkh_kb(mb), T, Mc, Qh, n0);
       tile_row_dots<kPartFac>(Kh, ma, n0, acck[0], part, nN);
