@@ -550,6 +550,8 @@ MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const 
 // mma per tile in the same order, but each lane's fragment addresses are formed once and then
 // advance by one add per operand and k-step (warp_mma_16x16 forms them from the row and column
 // indices at every step: ~10 integer instructions per step where 4 LDSM and 6 HMMA do the work).
+// warp_mma_16x16's INC form does the same with B's fragments loaded first; written as a call to
+// it (session 14) this kernel's SASS changed, unmeasured, so the two stay separate.
 template <bool A_KM, bool B_KN>
 MB_DEV void lean_mma(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B, int n0,
                      int nk) {
