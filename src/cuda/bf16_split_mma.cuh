@@ -245,7 +245,7 @@ MB_DEV void mma_kstep(float (&acc)[2][4], const SplitTile& A, int m0, const Spli
 // fragments loaded before A's (the same values and mma); else formed from the indices at every
 // step (mma_kstep). Chosen per caller by measurement (H200, session 14): INC took the planes K1
 // from 0.59 to 0.54 ms at N256 C8 and 0.58 to 0.51 at N128 P128 C8 (same elsewhere), but the
-// planes K3 +1.2% at N128 P64 R4 C16 (its register allocation moved). Same bits either way.
+// planes K3 +1.2% at N128 P64 R4 C16 (K3 takes it at N256 C8 only: IncAddr). Same bits.
 template <bool A_KM, bool B_KN, int UNROLL = 0, bool INC = false>
 MB_DEV void warp_mma_16x16(float (&acc)[2][4], const SplitTile& A, int m0, const SplitTile& B,
                            int n0, int k0, int k1) {
