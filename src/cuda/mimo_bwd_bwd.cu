@@ -29,6 +29,10 @@ __global__ void __launch_bounds__(bb::kIncPlanesThreads, 4)
   bb::increment_planes_body(a, inc_planes_smem);
 }
 
+__global__ void __launch_bounds__(kThreads) bb_angle_table_kernel(const __grid_constant__ Args a) {
+  bb::angle_table_body(a);
+}
+
 __global__ void __launch_bounds__(kThreads) bb_scan_kernel(const __grid_constant__ Args a) {
   bb::scan_body(a);
 }
@@ -170,6 +174,10 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
                 " (MAMBA3_BB_PLANES=0 selects the kernel that needs less)");
 
   const PlanesKernels pk = pl.planes ? planes_kernels(a) : PlanesKernels{};
+  if (pl.grid_cs > 0) {
+    bb_angle_table_kernel<<<static_cast<unsigned>(pl.grid_cs), kThreads, 0, st>>>(a);
+    check_launch("mimo_bwd_bwd: angle table kernel");
+  }
   if (pl.grid1 > 0 && pl.planes) {
     set_smem(pk.k1.kernel, p.device_id, pl.ply.inc_bytes,
              "mimo_bwd_bwd: cudaFuncSetAttribute(planes increment kernel)");

@@ -645,12 +645,13 @@ BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st) {
 // stage_chunk) read from it, and a task is one source's (k, i, n): twice the tasks of both
 // sources together, so that all warps share them (at N128 C16, 256 two-source tasks left half
 // of K3's 16 warps without any, waiting at the next barrier for the other half). Without a
-// table (tab == nullptr: N128 R1 C64) computed here, one rolled sincosf per angle (inlined four
-// times it is code the instruction cache must hold), and a task takes both sources (one
-// sincos for both).
-template <int NT, int RG, class Bias, class AT>
+// table (tab == nullptr: N128 R1 C64) read from the workspace's table of the whole sequence
+// (GT: gtab = Args::ws_cs at the chunk's first step; else computed here, one rolled sincosf per
+// angle, as the kernels whose layout always has the table keep compiled: their code is then
+// unchanged), and a task takes both sources (one read for both).
+template <int NT, int RG, bool GT, class Bias, class AT>
 BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[2], Bias bias, int b, int h,
-                              int grp, int s0, int L, const float2* tab) {
+                              int grp, int s0, int L, const float2* tab, const float2* gtab) {
   const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 3, lgR = a.lgR, lgC = a.lgC;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
   const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
@@ -666,6 +667,13 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[2], Bias bias, in
         for (int j = 0; j < 4; ++j)
           if (n + j < A) {
             const float2 t = tab[i * A + n + j];
+            sn[j] = t.x, cs[j] = t.y;
+          }
+      } else if constexpr (GT) {
+        BB_UNROLL
+        for (int j = 0; j < 4; ++j)
+          if (n + j < A) {
+            const float2 t = gtab[i * A + n + j];
             sn[j] = t.x, cs[j] = t.y;
           }
       } else {
@@ -902,6 +910,19 @@ struct IncAddr<ArgsCT<N, P, R, C>> {
   static constexpr bool on = N == 256 && P == 64 && R == 4 && C == 8;
 };
 
+// Whether K3 may read the workspace's (sin, cos) table (Args::ws_cs: where its layout has no
+// room for the chunk's own, PlanesLayout::cs < 0): known at compile time in the specialised
+// kernels, so that those with a table do not compile that path (its pointer, live across the
+// DQ / DK loop, added 8 bytes of spills at N128 P64 R4 C16).
+template <class AT>
+struct GlobalAngleTable {
+  static constexpr bool on = true;
+};
+template <int N, int P, int R, int C>
+struct GlobalAngleTable<ArgsCT<N, P, R, C>> {
+  static constexpr bool on = planes_layout(N, P, R, C, N / 4).cs < 0;
+};
+
 // (x, dPhiO) pair of a [T][P] row: x = v mimo_v, g = dPhiO.
 struct XGPair {
   float2 x, g;
@@ -913,6 +934,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   using mimo::SplitTile;
   using mimo::warp_mma_16x16;
   constexpr bool kInc = IncAddr<AT>::on;
+  constexpr bool kGlobTab = GlobalAngleTable<AT>::on;
   constexpr int NT = kPlanesThreads;
   const PlanesLayout& Ly = a.ply;
   const int tid = bb_tid(), warp = tid >> 5;
@@ -951,6 +973,11 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   auto cs_tab = [&] {
     const int o = mimo::mb_opaque(Ly.cs);
     return o >= 0 ? reinterpret_cast<float2*>(smem + o) : nullptr;
+  };
+  // Without that table: the workspace's (sin, cos) of step s0 of (b, h) on (Args::ws_cs).
+  auto cs_glob = [&](int b, int h, int s0) -> const float2* {
+    return kGlobTab && a.ws_cs != nullptr ? a.ws_cs + (int64_t{b * a.H + h} * a.S + s0) * A
+                                          : nullptr;
   };
 
   // The per-chunk inputs of shared memory that only the chunk's item decides: q_bias, k_bias as
@@ -1178,12 +1205,12 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // and the (sin, cos) table from shared memory.
     {
       const RotSrc src[2] = {{&a.q, a.vec_q, Qh}, {&a.k, a.vec_k, Kh}};
-      rotated_quad_rows<NT, 4>(
+      rotated_quad_rows<NT, 4, kGlobTab>(
           a, src,
           [&](int k, int r, int n) {
             return *reinterpret_cast<const float4*>((k == 0 ? qbias() : kbias()) + (r << lgN) + n);
           },
-          b, h, grp, s0, L, cs_tab());
+          b, h, grp, s0, L, cs_tab(), cs_glob(b, h, s0));
     }
     if (!raw_on) {
       with_dout_dtype(a.dout.dt, [&](auto dtag) {
@@ -1591,7 +1618,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     const int64_t qhalf = half * qs4, khalf = half * ks4;
     const float *s_qbias = qbias(), *s_kbias = kbias();
     const float2* tab = cs_tab();
-    const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
+    [[maybe_unused]] const float2* gtab = tab != nullptr ? nullptr : cs_glob(b, h, s0);
+    [[maybe_unused]] const int64_t ang0 = int64_t{b} * a.angles.s[0] + int64_t{h} * a.angles.s[2];
     const int64_t dang0 = int64_t{b} * a.dangles.s[0] + int64_t{h} * a.dangles.s[2];
     const int64_t das3 = a.dangles.s[3];
     // q / k column pairs as one 4-byte load where both layouts allow (Args::vec_q, vec_k: unit
@@ -1620,7 +1648,14 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
             const float2 t1 = tab[i * A + n + 1];
             sn1 = t1.x, cs1 = t1.y;
           }
-        } else {
+        } else if constexpr (kGlobTab) {  // the workspace's table
+          const float2 t0 = gtab[i * A + n];
+          sn0 = t0.x, cs0 = t0.y;
+          if (rot1) {
+            const float2 t1 = gtab[i * A + n + 1];
+            sn1 = t1.x, cs1 = t1.y;
+          }
+        } else {  // (not reached: these kernels' layouts have the table)
           const int64_t ao = ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3];
           // Rolled: one copy of sincosf's slow path (its local memory). (Selects, not an
           // indexed array: that would go to local memory.)

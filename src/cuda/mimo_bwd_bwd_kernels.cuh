@@ -130,7 +130,9 @@ struct PlanesLayout {
   int64_t inc_bytes = 0;
 };
 
-inline PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, int64_t A) {
+// (constexpr: the specialised K3 asks at compile time whether its layout has the (sin, cos)
+// table: GlobalAngleTable in mimo_bwd_bwd_chunk_planes.cuh.)
+constexpr PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C, int64_t A) {
   PlanesLayout L;
   const int64_t T = C * R;
   L.ldN = static_cast<int>(N + kPlanesPad), L.ldP = static_cast<int>(P + kPlanesPad);
@@ -220,6 +222,12 @@ struct Args {
   float* ws_ds;    // [B*H][nch][N*P]: U_c, then dS_c
   float* ws_part;  // [B*H][nch][R*P]: per-chunk DMIMO_V partials
   float* ws_dd;    // [B*H][nch]: per-chunk DD partials
+  // [B*H][S][A] (sin, cos) of the angles (angle_table_body), for the planes K3 where its shared
+  // memory has no room for the per-chunk table (PlanesLayout::cs < 0); else nullptr.
+  float2* ws_cs;
+  FastDiv div_cs;  // by cs_nb, the angle table's CTAs per (b, h) (angle_table_body)
+  int cs_nb;
+  int lgA;         // log2(A) (A = N / 2 or N / 4: a power of two on the planes path)
   float* ws_slot;  // [nslots][slot_floats]: K3 scratch
   int64_t slot_floats;
   int k1_rows;  // K1: rows per shared-memory tile
@@ -560,6 +568,29 @@ BB_DEV void increment_body(const Args& a, float* smem) {
     });
     bb_sync();  // the tiles are restaged next
   }
+}
+
+// ------------------------------------------------------------------ the angle table
+
+// ws_cs[(bh S + s) A + j] = (sin, cos) of angles[b, s, h, j]: the same bb_sincos of the same
+// value as the planes K3's stage_chunk, hence the same bits. A CTA covers kThreads 4 / A steps of
+// one (b, h), a thread four consecutive angles (A a power of two >= 4: make_plan's planes path),
+// stored as two 16-byte pairs; no 64-bit division (one per element made this kernel ~3x slower).
+BB_DEV void angle_table_body(const Args& a) {
+  const int cta = static_cast<int>(bb_bid()), bh = a.div_cs.div(cta);
+  const int lgq = a.lgA - 2, tid = bb_tid();
+  static_assert(kThreads == 256, "the steps per CTA below are 2^8 >> lgq");
+  const int s = ((cta - bh * a.cs_nb) << (8 - lgq)) + (tid >> lgq);
+  if (s >= a.S) return;
+  const int j = (tid & ((1 << lgq) - 1)) << 2, b = a.div_H.div(bh), h = bh - b * a.H;
+  const int64_t o = int64_t{b} * a.angles.s[0] + int64_t{s} * a.angles.s[1] +
+                    int64_t{h} * a.angles.s[2] + int64_t{j} * a.angles.s[3];
+  float sv[4], cv[4];
+  BB_UNROLL
+  for (int u = 0; u < 4; ++u) bb_sincos(ld(a.angles, o + u * a.angles.s[3]), &sv[u], &cv[u]);
+  float4* out = reinterpret_cast<float4*>(a.ws_cs + ((int64_t{bh} * a.S + s) << a.lgA) + j);
+  out[0] = make_float4(sv[0], cv[0], sv[1], cv[1]);
+  out[1] = make_float4(sv[2], cv[2], sv[3], cv[3]);
 }
 
 // ------------------------------------------------------------------ K2: reverse scan
@@ -962,10 +993,19 @@ struct Plan {
   int k1_rows = 1;                                     // K1: rows per shared-memory tile
   bool tc = false;                                     // products on tensor cores
   bool planes = false;                                 // K1 and K3 on the planes kernels
+  int64_t n_cs = 0;     // floats of Args::ws_cs (0: none)
+  int64_t grid_cs = 0;  // angle_table_body's CTAs (0: not launched)
   PlanesLayout ply;                                    // its shared-memory layout
 };
 
 inline int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// angle_table_body's CTAs per (b, h): kThreads threads of four angles each cover kThreads 4 / A
+// steps (A a power of two >= 4 on the planes path).
+inline int64_t cs_blocks_per_bh(int64_t S, int64_t A) {
+  const int64_t steps = std::max<int64_t>(1, kThreads * 4 / A);
+  return (S + steps - 1) / steps;
+}
 
 // MAMBA3_BB_PLANES=0 in the environment keeps K1 and K3 off the planes kernels (A/B runs).
 // Read once, so that the workspace size and the run agree.
@@ -1061,8 +1101,19 @@ inline Plan make_plan(const MimoBwdBwdParams& p, int64_t max_slots = kMaxSlots,
               Tm <= 64 && Tm * p.N <= tiles_max && Tm * p.P <= tiles_max &&
               pl.ply.bytes <= kPlanesSmemMax;
   pl.nslots = pl.planes ? 0 : std::min<int64_t>(BH * nch, std::max<int64_t>(max_slots, 1));
+  // Where the planes K3's shared memory has no room for the chunk's (sin, cos) table (of
+  // SPEC.md's grid, N128 R1 C64), the table of the whole sequence in the workspace, computed
+  // once by angle_table_body: K3 then reads it in phase 0 and phase 3 instead of calling
+  // sincosf in each (~20K of its ~143K warp instructions per chunk there: ncu, session 15).
+  if (pl.planes && pl.ply.cs < 0) {
+    pl.n_cs = up64(BH * p.S * p.A * 2);
+    pl.grid_cs = BH * cs_blocks_per_bh(p.S, p.A);
+    MAMBA3_CHECK_ARG(pl.grid_cs < (int64_t{1} << 31), "mimo_bwd_bwd: B*H=", BH, " and S=", p.S,
+                     " exceed the CUDA backend's index range (angle table)");
+  }
   // + kAlign: the caller's pointer is rounded up to kAlign bytes.
-  pl.bytes = static_cast<size_t>(pl.n_ds + pl.n_part + pl.n_dd + pl.nslots * pl.slot_floats) *
+  pl.bytes = static_cast<size_t>(pl.n_ds + pl.n_part + pl.n_dd + pl.nslots * pl.slot_floats +
+                                 pl.n_cs) *
                  sizeof(float) +
              kAlign;
   pl.grid1 = nch > 1 ? BH * nch : 0;
@@ -1139,6 +1190,11 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.ws_dd = a.ws_part + pl.n_part;
   a.ws_slot = a.ws_dd + pl.n_dd;
   a.slot_floats = pl.slot_floats;
+  a.ws_cs = pl.n_cs > 0 ? reinterpret_cast<float2*>(a.ws_slot + pl.nslots * pl.slot_floats)
+                        : nullptr;
+  a.cs_nb = static_cast<int>(cs_blocks_per_bh(p.S, p.A));
+  a.div_cs = fast_div(a.cs_nb);
+  a.lgA = ilog2(std::max<int64_t>(p.A, 1));
   a.k1_rows = pl.k1_rows;
   a.tc = pl.tc ? 1 : 0;
   a.planes = pl.planes ? 1 : 0;

@@ -92,6 +92,7 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
     a.vec_q = a.vec_k = a.vec_v = a.vec_dout = a.vec_states = a.vec_dq = a.vec_dk = 0;
   ASSERT_LE(reinterpret_cast<uintptr_t>(a.ws_slot + pl.nslots * pl.slot_floats),
             reinterpret_cast<uintptr_t>(ws.data()) + pl.bytes);
+  if (pl.grid_cs > 0) launch(pl.grid_cs, bb::kThreads, [&] { bb::angle_table_body(a); });
   if (pl.grid1 > 0 && pl.planes) {
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
     launch(pl.grid1, bb::kIncPlanesThreads,
@@ -389,8 +390,9 @@ TEST(MimoBwdBwdEmulated, PlanesKernelReferenceShape) {
              301, bb::kMaxSlots, K3::Planes);
 }
 
-// A shape whose shared memory has no room for the per-chunk (sin, cos) table (N128 R1 C64: phase 3
-// calls sincos again instead of reading phase 0's), a full and a partial chunk.
+// A shape whose shared memory has no room for the per-chunk (sin, cos) table (N128 R1 C64:
+// phases 0 and 3 read the workspace's table of the whole sequence, Args::ws_cs, which the plan
+// then adds), a full and a partial chunk.
 TEST(MimoBwdBwdEmulated, PlanesKernelWithoutAngleTable) {
   mamba3::MimoBwdBwdParams p;
   p.N = 128, p.P = 64, p.R = 1, p.C = 64, p.A = 32;
@@ -444,6 +446,8 @@ TEST(MimoBwdBwdEmulated, PlanPicksPlanesKernel) {
                            << ": " << pl.ply.bytes << " bytes of shared memory";
     EXPECT_LE(pl.ply.bytes, bb::kPlanesSmemMax);
     EXPECT_EQ(pl.nslots, 0);
+    // The workspace's (sin, cos) table exactly where shared memory has none (N128 R1 C64).
+    EXPECT_EQ(pl.n_cs > 0, pl.ply.cs < 0) << "N" << g[0] << " P" << g[1] << " R" << g[2];
     EXPECT_FALSE(plan(DType::F32, g[0], g[1], g[2], g[3]).planes);
     EXPECT_FALSE(plan(DType::F16, g[0], g[1], g[2], g[3]).planes);
   }
