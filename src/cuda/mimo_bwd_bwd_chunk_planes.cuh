@@ -975,7 +975,8 @@ inline bool ct_layout_ok(const Args& a);
 // Which planes K3 runs for a (on the planes path): the generic kernel (kGeneric), the one
 // specialised to its shape (kShape: ArgsCT<N, P, R, C>) or to its shape and the contiguous
 // layouts (kShapeLayout: ArgsCT<N, P, R, C, true>, when ct_layout_ok). MAMBA3_BB_SPECIALIZED=0:
-// the generic one. Host; mimo_bwd_bwd.cu launches by it.
+// the generic one; MAMBA3_BB_CT_LAYOUT=0: never kShapeLayout. Host; mimo_bwd_bwd.cu launches
+// by it.
 enum class K3Kind { kGeneric, kShape, kShapeLayout };
 inline K3Kind k3_kind(const Args& a) {
   if (!specialized_allowed_by_env()) return K3Kind::kGeneric;
@@ -985,7 +986,7 @@ inline K3Kind k3_kind(const Args& a) {
   MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_LISTED)
 #undef MAMBA3_BB_CT_LISTED
   if (!listed) return K3Kind::kGeneric;
-  return ct_layout_ok(a) ? K3Kind::kShapeLayout : K3Kind::kShape;
+  return ct_layout_allowed_by_env() && ct_layout_ok(a) ? K3Kind::kShapeLayout : K3Kind::kShape;
 }
 
 // Whether a (of a plan on the planes kernels) meets ArgsCT<.., true>'s conditions: the

@@ -1047,6 +1047,12 @@ inline bool specialized_allowed_by_env() {
   const char* e = std::getenv("MAMBA3_BB_SPECIALIZED");
   return e == nullptr || e[0] != '0';
 }
+// MAMBA3_BB_CT_LAYOUT=0: the planes K3 specialised to the shape only, never to the contiguous
+// layouts too (bb::k3_kind; for A/B runs in one process and the bits tests).
+inline bool ct_layout_allowed_by_env() {
+  const char* e = std::getenv("MAMBA3_BB_CT_LAYOUT");
+  return e == nullptr || e[0] != '0';
+}
 
 // max_slots: K3's CTA count cap (the host emulation test lowers it to reach slot reuse cheaply).
 // allow_planes: false keeps K3 on chunk_body (the tests run both paths).

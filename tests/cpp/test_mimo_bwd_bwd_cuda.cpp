@@ -291,7 +291,8 @@ TEST(MimoBwdBwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
 // and partial chunks, the three dout layouts in turn; then with the benchmark's operands
 // (reduce-O, contiguous, bf16 trap and outputs: bench/bench_mimo_bwd.py's bwd_bwd), which take
 // the K3 specialised to the contiguous layouts too (bb::ArgsCT<.., true>; the plan test
-// MimoBwdBwdEmulated.PlanPicksContiguousLayoutKernel checks that choice for these dtypes).
+// MimoBwdBwdEmulated.PlanPicksContiguousLayoutKernel checks that choice for these dtypes): its
+// bits against the generic kernels and against the shape-only K3 (MAMBA3_BB_CT_LAYOUT=0).
 TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
   SKIP_WITHOUT_CUDA();
 #ifdef MAMBA3_GOLDEN_CUDA
@@ -321,6 +322,12 @@ TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
       EXPECT_TRUE(spec[j] == gen[j]) << kOutNames[j] << " differs at N" << s[0] << " P" << s[1]
                                      << " R" << s[2] << " C" << s[3]
                                      << " (contiguous layouts)";
+    // ... and those of the shape-only copy (MAMBA3_BB_CT_LAYOUT=0).
+    const auto [cl, shape] = results_default_and_switched_off(dev, "MAMBA3_BB_CT_LAYOUT");
+    for (size_t j = 0; j < cl.size(); ++j)
+      EXPECT_TRUE(cl[j] == shape[j] && cl[j] == spec[j])
+          << kOutNames[j] << " differs from the shape-only K3 at N" << s[0] << " P" << s[1]
+          << " R" << s[2] << " C" << s[3];
     expect_finite(op, spec);
   }
 #endif

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -595,6 +596,11 @@ TEST(MimoBwdBwdEmulated, PlanPicksContiguousLayoutKernel) {
     p.z = tv(DType::BF16, {p.B, p.S, p.H, p.P}), p.mimo_z = tv(DType::F32, {p.H, p.R, p.P});
     EXPECT_EQ(kind(p), K::kShape) << "gate";
   }
+  // MAMBA3_BB_CT_LAYOUT=0: the shape-specialised copy.
+  setenv("MAMBA3_BB_CT_LAYOUT", "0", 1);
+  const K off = kind(params(128, 64, 4, 16));
+  unsetenv("MAMBA3_BB_CT_LAYOUT");
+  EXPECT_EQ(off, K::kShape) << "MAMBA3_BB_CT_LAYOUT=0";
   // Off the grid (no specialised copies): the generic kernel, contiguous or not.
   EXPECT_EQ(kind(params(64, 64, 2, 8)), K::kGeneric);
   EXPECT_EQ(kind(params(64, 64, 4, 8)), K::kGeneric);
