@@ -61,9 +61,11 @@ __global__ void __launch_bounds__(kThreads) bb_reduce_kernel(const __grid_consta
 // runs the generic kernels. MAMBA3_BB_SPECIALIZED=0 forces the generic ones for both.
 using bb::ArgsCT;
 
-template <int N, int P, int R, int C>
+// CL: also specialised to the contiguous layouts and the benchmark's dtypes (ArgsCT<.., true>,
+// when bb::ct_layout_ok).
+template <int N, int P, int R, int C, bool CL>
 __global__ void __launch_bounds__(bb::kPlanesThreads, 1)
-    bb_chunk_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C> a) {
+    bb_chunk_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
   extern __shared__ __align__(16) unsigned char planes_smem[];
   bb::chunk_planes_body(a, planes_smem);
 }
@@ -107,7 +109,7 @@ PlanesKernel generic_k3() {
 // there on the H200 (0.195 -> 0.217 ms; N128 0.297 -> 0.249, R1 C64 0.107 -> 0.085, N32 0.159
 // -> 0.136).
 template <int N, int P, int R, int C>
-PlanesKernels planes_ct() {
+PlanesKernels planes_ct(bb::K3Kind kind) {
   PlanesKernel k1 = generic_k1();
   if constexpr (N != 16)
     k1 = {reinterpret_cast<const void*>(bb_increment_planes_ct_kernel<N, P, R, C>),
@@ -116,32 +118,32 @@ PlanesKernels planes_ct() {
             static_cast<Args&>(s) = a;
             bb_increment_planes_ct_kernel<N, P, R, C><<<grid, nt, smem, st>>>(s);
           }};
+  if (kind == bb::K3Kind::kShapeLayout)
+    return {k1,
+            {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C, true>),
+             [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+               ArgsCT<N, P, R, C, true> s;
+               s.set(a);
+               bb_chunk_planes_ct_kernel<N, P, R, C, true><<<grid, nt, smem, st>>>(s);
+             }}};
   return {k1,
-          {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C>),
+          {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C, false>),
            [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
              ArgsCT<N, P, R, C> s;
              static_cast<Args&>(s) = a;
-             bb_chunk_planes_ct_kernel<N, P, R, C><<<grid, nt, smem, st>>>(s);
+             bb_chunk_planes_ct_kernel<N, P, R, C, false><<<grid, nt, smem, st>>>(s);
            }}};
 }
 
+// The kernels bb::k3_kind picks (K1 specialised with K3's shape; MAMBA3_BB_SPECIALIZED=0 forces
+// the generic ones for both).
 PlanesKernels planes_kernels(const Args& a) {
-  if (bb::specialized_allowed_by_env()) {
-    // SPEC.md section 4's grid (N, P, R, C), rotary_dim_divisor 4 (A = N / 4).
+  const bb::K3Kind kind = bb::k3_kind(a);
+  if (kind != bb::K3Kind::kGeneric) {
 #define MAMBA3_BB_CT(n, p, r, c)                                      \
   if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
-    return planes_ct<n, p, r, c>();
-    MAMBA3_BB_CT(16, 64, 4, 8)
-    MAMBA3_BB_CT(32, 64, 4, 16)
-    MAMBA3_BB_CT(64, 64, 4, 16)
-    MAMBA3_BB_CT(128, 64, 4, 16)
-    MAMBA3_BB_CT(256, 64, 4, 8)
-    MAMBA3_BB_CT(64, 128, 4, 16)
-    MAMBA3_BB_CT(128, 32, 4, 16)
-    MAMBA3_BB_CT(128, 128, 4, 8)
-    MAMBA3_BB_CT(128, 64, 8, 8)
-    MAMBA3_BB_CT(128, 64, 2, 32)
-    MAMBA3_BB_CT(128, 64, 1, 64)
+    return planes_ct<n, p, r, c>(kind);
+    MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT)
 #undef MAMBA3_BB_CT
   }
   return {generic_k1(), generic_k3()};

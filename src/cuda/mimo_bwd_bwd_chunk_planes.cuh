@@ -36,6 +36,8 @@
 #pragma once
 
 
+#include <initializer_list>
+#include <iterator>
 #include <type_traits>
 
 #include "cuda/bf16_split_mma.cuh"
@@ -95,8 +97,8 @@ template <int K>
 constexpr int lg_of = K == 8 ? 3 : K == 4 ? 2 : K == 2 ? 1 : 0;
 
 // Element off of a tensor of dtype T, as float.
-template <class T>
-BB_DEV float ld_t(const View& v, int64_t off) {
+template <class T, class V>
+BB_DEV float ld_t(const V& v, int64_t off) {
   if constexpr (sizeof(T) == 4)
     return mimo::mb_ldg(reinterpret_cast<const float*>(v.p) + off);
   else
@@ -108,8 +110,8 @@ BB_DEV float ld_t(const View& v, int64_t off) {
 // hot paths pass vec as a compile-time constant (a fast-path loop and a fallback loop): with a
 // runtime vec the compiler predicates both paths and issues all three loads. bf16 pairs are
 // widened by a shift and a mask (the same bits as the conversions, fewer instructions).
-template <class T>
-BB_DEV float2 ld2_t(const View& v, int64_t off, int64_t st, bool vec) {
+template <class T, class V>
+BB_DEV float2 ld2_t(const V& v, int64_t off, int64_t st, bool vec) {
   if constexpr (sizeof(T) == 4) {
     const float* p = reinterpret_cast<const float*>(v.p) + off;
     if (vec) return mimo::mb_ldg(reinterpret_cast<const float2*>(p));
@@ -159,8 +161,8 @@ BB_DEV unsigned short bits_of(float x, DTag<__half>) {
 
 // Stores x.x, x.y (rounded to nearest as rt_st) as elements off and off + st of a tensor of
 // dtype T: one store of the pair when vec (as ld2_t), else two.
-template <class T>
-BB_DEV void st2_t(const View& v, int64_t off, int64_t st, bool vec, float2 x) {
+template <class T, class V>
+BB_DEV void st2_t(const V& v, int64_t off, int64_t st, bool vec, float2 x) {
   if constexpr (sizeof(T) == 4) {
     float* p = reinterpret_cast<float*>(v.p) + off;
     if (vec) {
@@ -184,8 +186,8 @@ BB_DEV void st2_t(const View& v, int64_t off, int64_t st, bool vec, float2 x) {
 // Stores x.x .. x.w (rounded to nearest as rt_st) as elements off, off + st, off + 2 st,
 // off + 3 st of a tensor of dtype T: one store of the quad when vec = 2 (Args::vec_dq: st = 1,
 // off a multiple of 4, aligned), two pair stores when 1, else four.
-template <class T>
-BB_DEV void st4_t(const View& v, int64_t off, int64_t st, int vec, float4 x) {
+template <class T, class V>
+BB_DEV void st4_t(const V& v, int64_t off, int64_t st, int vec, float4 x) {
   if (vec == 2) {
     if constexpr (sizeof(T) == 4) {
       *reinterpret_cast<float4*>(reinterpret_cast<float*>(v.p) + off) = x;
@@ -215,7 +217,7 @@ struct DoutRows {
 };
 template <class AT>
 BB_DEV DoutRows dout_rows(const AT& a, int b, int h) {
-  const View& d = a.dout;
+  const auto& d = a.dout;
   if (a.layout == 0) return {b * d.s[0] + h * d.s[2], d.s[1], 0, d.s[3]};
   if (a.layout == 1) return {b * d.s[0] + h * d.s[3], d.s[1], d.s[2], d.s[4]};
   return {b * d.s[0] + h * d.s[1], a.R * d.s[2], d.s[2], d.s[3]};
@@ -428,8 +430,9 @@ BB_DEV void pair_rows_steps(int nrows, int lgP, int lgR, int64_t sa, int64_t sb,
 }
 
 // (w[h][r][pc], w[h][r][pc + 1]) of an [H][R][P] weight (mimo_v, mimo_o).
-BB_DEV float2 rank_weights(const View& w, int h, int r, int pc) {
-  const int64_t o = int64_t{h} * w.s[0] + r * w.s[1] + pc * w.s[2];
+template <class V>
+BB_DEV float2 rank_weights(const V& w, int h, int r, int pc) {
+  const int64_t o = o3(w, h, r, pc);
   return make_float2(ld(w, o), ld(w, o + w.s[2]));
 }
 
@@ -450,12 +453,13 @@ BB_DEV float2 z_gate2(const AT& a, int b, int t, int h, int pc, float2 mz) {
 struct RankWeights {
   bool fixed;  // every row of this thread has rank r_thread
   float2 w;    // its pair (fixed only)
-  BB_DEV float2 at(const View& wv, int h, int r, int pc) const {
+  template <class V>
+  BB_DEV float2 at(const V& wv, int h, int r, int pc) const {
     return fixed ? w : rank_weights(wv, h, r, pc);
   }
 };
-template <int NT>
-BB_DEV RankWeights thread_rank_weights(const View& w, int h, int R, int lgP, bool present) {
+template <int NT, class V>
+BB_DEV RankWeights thread_rank_weights(const V& w, int h, int R, int lgP, bool present) {
   const int lgH = lgP - 1, tid = bb_tid();
   RankWeights rw{((NT >> lgH) & (R - 1)) == 0, make_float2(1.f, 1.f)};
   if (rw.fixed && present)
@@ -491,40 +495,84 @@ BB_DEV void prefetch_item(const AT& a, int64_t item) {
       mb_prefetch_l2(a.ws_ds + item * NP + static_cast<int64_t>(e - g_t) * 32);
       continue;
     }
-    const View* v;
-    int64_t off, stride;
-    int cnt;
-    if (e < g_k) {
-      const int row = e < g_q ? e : e - g_q, i = row >> lgR, r = row & (R - 1);
-      v = e < g_q ? &a.q : &a.k;
-      off = int64_t{b} * v->s[0] + (s0 + i) * v->s[1] + r * v->s[2] + int64_t{grp} * v->s[3];
-      stride = v->s[4], cnt = N;
-    } else if (e < g_v) {
-      v = &a.v, off = o3(a.v, b, s0 + e - g_k, h), stride = a.v.s[3], cnt = P;
-    } else if (e < g_d) {
-      const int row = e - g_v, i = a.layout == 0 ? row : row >> lgR,
-                r = a.layout == 0 ? 0 : row & (R - 1);
-      v = &a.dout, off = dphio_row(a, b, s0 + i, r, h), stride = dphio_pstride(a), cnt = P;
-    } else if (e < g_z) {
-      v = &a.z, off = o3(a.z, b, s0 + e - g_d, h), stride = a.z.s[3], cnt = P;
-    } else if (e < g_s) {
-      v = &a.states, off = o4(a.states, b, h, c, e - g_z), stride = a.states.s[4], cnt = P;
-    } else if (e < g_w) {
-      v = &a.segsum, off = o5(a.segsum, b, h, c, e - g_s, 0), stride = a.segsum.s[4], cnt = a.C;
-    } else if (e < g_a) {
-      v = &a.angles, off = o4(a.angles, b, s0 + e - g_w, h, 0), stride = a.angles.s[3], cnt = a.A;
+    if constexpr (std::is_same_v<std::decay_t<decltype(a.q)>, View>) {
+      const View* v;
+      int64_t off, stride;
+      int cnt;
+      if (e < g_k) {
+        const int row = e < g_q ? e : e - g_q, i = row >> lgR, r = row & (R - 1);
+        v = e < g_q ? &a.q : &a.k;
+        off = int64_t{b} * v->s[0] + (s0 + i) * v->s[1] + r * v->s[2] + int64_t{grp} * v->s[3];
+        stride = v->s[4], cnt = N;
+      } else if (e < g_v) {
+        v = &a.v, off = o3(a.v, b, s0 + e - g_k, h), stride = a.v.s[3], cnt = P;
+      } else if (e < g_d) {
+        const int row = e - g_v, i = a.layout == 0 ? row : row >> lgR,
+                  r = a.layout == 0 ? 0 : row & (R - 1);
+        v = &a.dout, off = dphio_row(a, b, s0 + i, r, h), stride = dphio_pstride(a), cnt = P;
+      } else if (e < g_z) {
+        v = &a.z, off = o3(a.z, b, s0 + e - g_d, h), stride = a.z.s[3], cnt = P;
+      } else if (e < g_s) {
+        v = &a.states, off = o4(a.states, b, h, c, e - g_z), stride = a.states.s[4], cnt = P;
+      } else if (e < g_w) {
+        v = &a.segsum, off = o5(a.segsum, b, h, c, e - g_s, 0), stride = a.segsum.s[4], cnt = a.C;
+      } else if (e < g_a) {
+        v = &a.angles, off = o4(a.angles, b, s0 + e - g_w, h, 0), stride = a.angles.s[3], cnt = a.A;
+      } else {
+        v = e == g_a ? &a.da_cs : e == g_a + 1 ? &a.dt : &a.trap;
+        off = o3(*v, b, h, s0), stride = v->s[2], cnt = L;
+      }
+      mb_prefetch_row(v->p, v->dt == 2 ? 4 : 2, off, stride, cnt);
     } else {
-      v = e == g_a ? &a.da_cs : e == g_a + 1 ? &a.dt : &a.trap;
-      off = o3(*v, b, h, s0), stride = v->s[2], cnt = L;
+      // (The row's pointer and element size per branch, not a View pointer: the views may be of
+      // different types, ArgsCT<.., true>'s CViews.)
+      const unsigned char* vp;
+      int es;
+      int64_t off, stride;
+      int cnt;
+      auto at = [&](const auto& w) { vp = w.p, es = w.dt == 2 ? 4 : 2; };
+      if (e < g_k) {
+        const int row = e < g_q ? e : e - g_q, i = row >> lgR, r = row & (R - 1);
+        const auto& v = e < g_q ? a.q : a.k;
+        at(v);
+        off = int64_t{b} * v.s[0] + (s0 + i) * v.s[1] + r * v.s[2] + int64_t{grp} * v.s[3];
+        stride = v.s[4], cnt = N;
+      } else if (e < g_v) {
+        at(a.v), off = o3(a.v, b, s0 + e - g_k, h), stride = a.v.s[3], cnt = P;
+      } else if (e < g_d) {
+        const int row = e - g_v, i = a.layout == 0 ? row : row >> lgR,
+                  r = a.layout == 0 ? 0 : row & (R - 1);
+        at(a.dout), off = dphio_row(a, b, s0 + i, r, h), stride = dphio_pstride(a), cnt = P;
+      } else if (e < g_z) {
+        at(a.z), off = o3(a.z, b, s0 + e - g_d, h), stride = a.z.s[3], cnt = P;
+      } else if (e < g_s) {
+        at(a.states), off = o4(a.states, b, h, c, e - g_z), stride = a.states.s[4], cnt = P;
+      } else if (e < g_w) {
+        at(a.segsum), off = o5(a.segsum, b, h, c, e - g_s, 0), stride = a.segsum.s[4], cnt = a.C;
+      } else if (e < g_a) {
+        at(a.angles), off = o4(a.angles, b, s0 + e - g_w, h, 0), stride = a.angles.s[3],
+                      cnt = a.A;
+      } else {
+        // da_cs, dt, trap (one row each)
+        const int w = e - g_a;
+        if (w == 0)
+          at(a.da_cs), off = o3(a.da_cs, b, h, s0), stride = a.da_cs.s[2];
+        else if (w == 1)
+          at(a.dt), off = o3(a.dt, b, h, s0), stride = a.dt.s[2];
+        else
+          at(a.trap), off = o3(a.trap, b, h, s0), stride = a.trap.s[2];
+        cnt = L;
+      }
+      mb_prefetch_row(vp, es, off, stride, cnt);
     }
-    mb_prefetch_row(v->p, v->dt == 2 ? 4 : 2, off, stride, cnt);
   }
 }
 
 // One source of rotated_pair_rows / rotated_quad_rows: q or k (bf16: make_plan), its load
 // layout (Args::vec_q / vec_k: pair loads when nonzero, quad loads when 2), its output planes.
+template <class V = View>
 struct RotSrc {
-  const View* x;
+  const V* x;
   int vec;
   mimo::SplitTile out;
 };
@@ -537,8 +585,8 @@ struct RotSrc {
 // Each thread keeps its column pair (NT is a multiple of half / 2), steps strided. Loads of RG
 // ranks are issued before their stores (more loads in flight per thread). Same arithmetic per
 // element as the scalar (n, half + n) tasks they replace.
-template <int NT, int RG, int NX, class Bias, class AT>
-BB_DEV void rotated_pair_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, int b, int h,
+template <int NT, int RG, int NX, class Bias, class AT, class V>
+BB_DEV void rotated_pair_rows(const AT& a, const RotSrc<V> (&src)[NX], Bias bias, int b, int h,
                               int grp, int s0, int L, const float* scale) {
   const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 2, lgR = a.lgR;
   const int tid = bb_tid(), n = (tid & ((1 << lgQ) - 1)) * 2;
@@ -564,7 +612,7 @@ BB_DEV void rotated_pair_rows(const AT& a, const RotSrc (&src)[NX], Bias bias, i
       constexpr int G = kVec ? RG : 1;
       BB_UNROLL
       for (int k = 0; k < NX; ++k) {
-        const View& x = *src[k].x;
+        const V& x = *src[k].x;
         const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
         // Rank r's row offset: xrow + r sr, stepped by one add per rank.
         int64_t o = int64_t{b} * x.s[0] + int64_t{grp} * x.s[3] + (s0 + i) * x.s[1] + n * sx;
@@ -649,8 +697,8 @@ BB_DEV float4 ld4_bf16(const unsigned short* p, int64_t st) {
 // (GT: gtab = Args::ws_cs at the chunk's first step; else computed here, one rolled sincosf per
 // angle, as the kernels whose layout always has the table keep compiled: their code is then
 // unchanged), and a task takes both sources (one read for both).
-template <int NT, int RG, bool GT, class Bias, class AT>
-BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[2], Bias bias, int b, int h,
+template <int NT, int RG, bool GT, class Bias, class AT, class V>
+BB_DEV void rotated_quad_rows(const AT& a, const RotSrc<V> (&src)[2], Bias bias, int b, int h,
                               int grp, int s0, int L, const float2* tab, const float2* gtab) {
   const int R = a.R, A = a.A, half = a.half, lgQ = a.lgN - 3, lgR = a.lgR, lgC = a.lgC;
   const int64_t as1 = a.angles.s[1], as3 = a.angles.s[3];
@@ -705,7 +753,7 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc (&src)[2], Bias bias, in
       const int nr = kQuad && G < RG ? G : R;
       BB_NO_UNROLL  // (nk = 1 or 2 sources: one copy)
       for (int k = k0; k < k0 + nk; ++k) {
-        const View& x = k == 0 ? *src[0].x : *src[1].x;
+        const V& x = k == 0 ? *src[0].x : *src[1].x;
         const unsigned short* xp = reinterpret_cast<const unsigned short*>(x.p);
         const int64_t sx = x.s[4], sr = x.s[2], hs = half * sx;
         // Rank r's row offset: xrow + r sr, stepped by one add per rank.
@@ -822,7 +870,7 @@ BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
     using TB = typename decltype(btag)::type;
     const View& qb = a.q_bias;
     const int64_t sb = qb.s[2], b0 = int64_t{h} * qb.s[0], hs = a.half * sb;
-    const RotSrc src[1] = {{&a.q, a.vec_q, EQ}};
+    const RotSrc<std::decay_t<decltype(a.q)>> src[1] = {{&a.q, a.vec_q, EQ}};
     rotated_pair_rows<NT, 2>(
         a, src,
         [&](int, int r, int n) {
@@ -857,13 +905,136 @@ BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
 constexpr int ct_lg2(int x) { return x <= 1 ? 0 : 1 + ct_lg2(x / 2); }
 
 template <int N_, int P_, int R_, int C_>
-struct ArgsCT : Args {
+struct ArgsShapeCT : Args {
   static constexpr int N = N_, P = P_, R = R_, C = C_, A = N_ / 4, half = N_ / 2;
   static constexpr int lgN = ct_lg2(N_), lgP = ct_lg2(P_), lgR = ct_lg2(R_), lgC = ct_lg2(C_);
   static constexpr int lgT = ct_lg2(C_ * R_);
   static constexpr int lgtN = ct_lg2(N_ / 16), lgtP = ct_lg2(P_ / 16),
                        lgtT = ct_lg2(C_ * R_ / 16);
 };
+
+// CL (the planes K3 only): also the layouts and dtypes of the benchmark's second pass
+// (bench/bench_mimo_bwd.py's bwd_bwd op, ct_layout_ok): every tensor K3 reads or writes
+// contiguous, of at most 2^30 elements, in its dtype below; reduce-O dout, no gate, the
+// pair / quad loads and stores on (aligned). Its views are CViews (compile-time dtypes, unit last
+// strides, the strides of compile-time dims folded, 32-bit offsets) and those flags constants:
+// the dtype branches and 64-bit stride products of the runtime views fold away. Same offsets,
+// loads and arithmetic as the runtime views: the same bits. (The base Args' views stay filled:
+// helpers that take an Args read those, with the same values.)
+template <int N_, int P_, int R_, int C_, bool CL = false>
+struct ArgsCT : ArgsShapeCT<N_, P_, R_, C_> {};
+
+template <int N_, int P_, int R_, int C_>
+struct ArgsCT<N_, P_, R_, C_, true> : ArgsShapeCT<N_, P_, R_, C_> {
+  static constexpr int kF16 = 0, kBF16 = 1, kF32 = 2;  // (rt_dtype.cuh's codes)
+  static constexpr int A_ = N_ / 4;
+  CView<kBF16, 0, 0, P_, 1> dout, v, dv;                        // [B,S,H,P]
+  CView<kBF16, 0, 0, 0, N_, 1> q, k;                            // [B,S,R,G,N]
+  CView<kF32, R_ * N_, N_, 1> q_bias, k_bias;                   // [H,R,N]
+  CView<kF32, R_ * P_, P_, 1> mimo_v, mimo_o;                   // [H,R,P]
+  CView<kBF16, 0, 0, N_ * P_, P_, 1> states;                    // [B,H,nch,N,P]
+  CView<kBF16, 0, 0, R_ * R_, R_, 1> qk_dot;                    // [B,H,S,R,R]
+  CView<kF32, 0, 0, 1> da_cs, da_cs_rev, dt;                    // [B,H,S]
+  CView<kBF16, 0, 0, 1> trap;                                   // [B,H,S]
+  CView<kF32, 0, 0, C_ * C_, C_, 1> segsum, dssda;              // [B,H,nch,C,C]
+  CView<kF32, 0, 0, A_, 1> angles, dangles;                     // [B,S,H,A]
+  CView<kF32, 1> d;                                             // [H]
+  CView<kBF16, 0, 0, N_, 1> dq, dk;                             // [B,S R,H,N]
+  CView<kF32, 0, 0, 1> dfactor, dgamma, dda, dda_cs_rev, dda_cs;  // [B,H,S]
+  static constexpr int layout = 0, gate = 0, bf16_z_pairs = 0;
+  static constexpr int vec_q = 2, vec_k = 2, vec_v = 1, vec_dout = 1, vec_states = 1,
+                       vec_dq = 2, vec_dk = 2;
+
+  // Host: the CViews from the runtime views of a (ct_layout_ok(a) must hold).
+  void set(const Args& a) {
+    static_cast<Args&>(*this) = a;
+    auto cv = [](auto& c, const View& w) {
+      c.p = w.p;
+      for (int i = 0; i < std::decay_t<decltype(c)>::kRank; ++i)
+        c.s.v[i] = static_cast<int>(w.s[i]);
+    };
+    cv(dout, a.dout), cv(v, a.v), cv(dv, a.dv), cv(q, a.q), cv(k, a.k);
+    cv(q_bias, a.q_bias), cv(k_bias, a.k_bias), cv(mimo_v, a.mimo_v), cv(mimo_o, a.mimo_o);
+    cv(states, a.states), cv(qk_dot, a.qk_dot), cv(da_cs, a.da_cs), cv(da_cs_rev, a.da_cs_rev);
+    cv(dt, a.dt), cv(trap, a.trap), cv(segsum, a.segsum), cv(dssda, a.dssda);
+    cv(angles, a.angles), cv(dangles, a.dangles), cv(d, a.d), cv(dq, a.dq), cv(dk, a.dk);
+    cv(dfactor, a.dfactor), cv(dgamma, a.dgamma), cv(dda, a.dda);
+    cv(dda_cs_rev, a.dda_cs_rev), cv(dda_cs, a.dda_cs);
+  }
+};
+
+// SPEC.md section 4's grid (N, P, R, C), rotary_dim_divisor 4 (A = N / 4): the shapes that have
+// specialised planes kernels (mimo_bwd_bwd.cu instantiates them from this list).
+#define MAMBA3_BB_CT_SHAPES(X) \
+  X(16, 64, 4, 8)              \
+  X(32, 64, 4, 16)             \
+  X(64, 64, 4, 16)             \
+  X(128, 64, 4, 16)            \
+  X(256, 64, 4, 8)             \
+  X(64, 128, 4, 16)            \
+  X(128, 32, 4, 16)            \
+  X(128, 128, 4, 8)            \
+  X(128, 64, 8, 8)             \
+  X(128, 64, 2, 32)            \
+  X(128, 64, 1, 64)
+
+inline bool ct_layout_ok(const Args& a);
+
+// Which planes K3 runs for a (on the planes path): the generic kernel (kGeneric), the one
+// specialised to its shape (kShape: ArgsCT<N, P, R, C>) or to its shape and the contiguous
+// layouts (kShapeLayout: ArgsCT<N, P, R, C, true>, when ct_layout_ok). MAMBA3_BB_SPECIALIZED=0:
+// the generic one; MAMBA3_BB_CT_LAYOUT=0: never kShapeLayout. Host; mimo_bwd_bwd.cu launches
+// by it.
+enum class K3Kind { kGeneric, kShape, kShapeLayout };
+inline K3Kind k3_kind(const Args& a) {
+  if (!specialized_allowed_by_env()) return K3Kind::kGeneric;
+  bool listed = false;
+#define MAMBA3_BB_CT_LISTED(n, p, r, c) \
+  listed = listed || (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4);
+  MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_LISTED)
+#undef MAMBA3_BB_CT_LISTED
+  if (!listed) return K3Kind::kGeneric;
+  return ct_layout_allowed_by_env() && ct_layout_ok(a) ? K3Kind::kShapeLayout : K3Kind::kShape;
+}
+
+// Whether a (of a plan on the planes kernels) meets ArgsCT<.., true>'s conditions: the
+// benchmark's dtypes, contiguous tensors (strides those of the shapes above) of at most 2^30
+// elements (its 32-bit offsets: the headroom covers the offsets formed a chunk's rows past the
+// end, never dereferenced), reduce-O dout without gate, the pair / quad flags it fixes. Host;
+// the shape's own match (N, P, R, C, A) is the caller's.
+inline bool ct_layout_ok(const Args& a) {
+  if (a.layout != 0 || a.gate || a.vec_q != 2 || a.vec_k != 2 || a.vec_v < 1 ||
+      a.vec_dout < 1 || a.vec_states < 1 || a.vec_dq != 2 || a.vec_dk != 2)
+    return false;
+  const int64_t B = a.B, S = a.S, H = a.H, G = a.G, N = a.N, P = a.P, R = a.R, C = a.C,
+                A = a.A, nch = a.nch;
+  // w is dtype dt and contiguous of the given shape, with at most 2^30 elements.
+  auto is = [](const View& w, int dt, std::initializer_list<int64_t> shape) {
+    if (w.p == nullptr || w.dt != dt) return false;
+    int64_t st = 1;
+    int i = static_cast<int>(shape.size());
+    for (auto it = std::rbegin(shape); it != std::rend(shape); ++it) {
+      if (w.s[--i] != st) return false;
+      st *= *it;
+    }
+    return st <= (int64_t{1} << 30);
+  };
+  const int F32 = 2, BF16 = 1;
+  return is(a.dout, BF16, {B, S, H, P}) && is(a.v, BF16, {B, S, H, P}) &&
+         is(a.dv, BF16, {B, S, H, P}) && is(a.q, BF16, {B, S, R, G, N}) &&
+         is(a.k, BF16, {B, S, R, G, N}) && is(a.q_bias, F32, {H, R, N}) &&
+         is(a.k_bias, F32, {H, R, N}) && is(a.mimo_v, F32, {H, R, P}) &&
+         is(a.mimo_o, F32, {H, R, P}) && is(a.states, BF16, {B, H, nch, N, P}) &&
+         is(a.qk_dot, BF16, {B, H, S, R, R}) && is(a.da_cs, F32, {B, H, S}) &&
+         is(a.da_cs_rev, F32, {B, H, S}) && is(a.dt, F32, {B, H, S}) &&
+         is(a.trap, BF16, {B, H, S}) && is(a.segsum, F32, {B, H, nch, C, C}) &&
+         is(a.dssda, F32, {B, H, nch, C, C}) && is(a.angles, F32, {B, S, H, A}) &&
+         is(a.dangles, F32, {B, S, H, A}) && (!a.has_d || is(a.d, F32, {H})) &&
+         is(a.dq, BF16, {B, S * R, H, N}) && is(a.dk, BF16, {B, S * R, H, N}) &&
+         is(a.dfactor, F32, {B, H, S}) && is(a.dgamma, F32, {B, H, S}) &&
+         is(a.dda, F32, {B, H, S}) && is(a.dda_cs_rev, F32, {B, H, S}) &&
+         is(a.dda_cs, F32, {B, H, S});
+}
 
 // K3's phase-0 rows loaded a chunk ahead (chunk_planes_body: RawRows): per thread, kx rows of
 // the [T][P] x / dPhiO loop and ks rows of the [N][P] states loop (their pair_rows mappings),
@@ -876,8 +1047,8 @@ struct RawCounts {
   static constexpr bool on = false;
   static constexpr int kx = 1, ks = 1;
 };
-template <int N, int P, int R, int C>
-struct RawCounts<ArgsCT<N, P, R, C>> {
+template <int N, int P, int R, int C, bool CL>
+struct RawCounts<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = N == 128 && P == 64 && ((R == 4 && C == 16) || (R == 2 && C == 32));
   static constexpr int kx = (C * R * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
   static constexpr int ks = (N * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
@@ -892,8 +1063,8 @@ template <class AT>
 struct PairTiles {
   static constexpr bool on = false;
 };
-template <int N, int P, int R, int C>
-struct PairTiles<ArgsCT<N, P, R, C>> {
+template <int N, int P, int R, int C, bool CL>
+struct PairTiles<ArgsCT<N, P, R, C, CL>> {
   static constexpr int nT = C * R / 16, nN = N / 16;
   static constexpr bool on = nT >= 2 && nT * nN == 2 * kPlanesWarps;
 };
@@ -905,8 +1076,8 @@ template <class AT>
 struct IncAddr {
   static constexpr bool on = false;
 };
-template <int N, int P, int R, int C>
-struct IncAddr<ArgsCT<N, P, R, C>> {
+template <int N, int P, int R, int C, bool CL>
+struct IncAddr<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = N == 256 && P == 64 && R == 4 && C == 8;
 };
 
@@ -918,8 +1089,8 @@ template <class AT>
 struct GlobalAngleTable {
   static constexpr bool on = true;
 };
-template <int N, int P, int R, int C>
-struct GlobalAngleTable<ArgsCT<N, P, R, C>> {
+template <int N, int P, int R, int C, bool CL>
+struct GlobalAngleTable<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = planes_layout(N, P, R, C, N / 4).cs < 0;
 };
 
@@ -1204,7 +1375,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // qh, kh: tasks per source, step and four rotation columns over the R ranks; the biases
     // and the (sin, cos) table from shared memory.
     {
-      const RotSrc src[2] = {{&a.q, a.vec_q, Qh}, {&a.k, a.vec_k, Kh}};
+      const RotSrc<std::decay_t<decltype(a.q)>> src[2] = {{&a.q, a.vec_q, Qh},
+                                                          {&a.k, a.vec_k, Kh}};
       rotated_quad_rows<NT, 4, kGlobTab>(
           a, src,
           [&](int k, int r, int n) {
@@ -1837,7 +2009,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // it in every call of the op; else runtime-dtype stores per element).
     auto store_dq_dk = [&](auto store4) {
       const int lgQ = lgN - 2, nc = (tid & ((1 << lgQ) - 1)) * 4, rs = NT >> lgQ;
-      const View &vq = a.dq, &vk = a.dk;
+      const auto &vq = a.dq, &vk = a.dk;
       const int64_t sq = vq.s[1], sk = vk.s[1], snq = vq.s[3], snk = vk.s[3];
       const int64_t row0 = int64_t{s0} * R + (tid >> lgQ);
       int64_t oq = int64_t{b} * vq.s[0] + int64_t{h} * vq.s[2] + row0 * sq + nc * snq;
@@ -1851,12 +2023,12 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     if (a.dq.dt == a.dk.dt) {
       with_dtype(a.dq.dt, [&](auto otag) {
         using TO = typename decltype(otag)::type;
-        store_dq_dk([&](const View& v, int64_t off, int64_t sn, int vec, float4 x) {
+        store_dq_dk([&](const auto& v, int64_t off, int64_t sn, int vec, float4 x) {
           st4_t<TO>(v, off, sn, vec, x);
         });
       });
     } else {
-      store_dq_dk([&](const View& v, int64_t off, int64_t sn, int, float4 x) {
+      store_dq_dk([&](const auto& v, int64_t off, int64_t sn, int, float4 x) {
         st(v, off, x.x), st(v, off + sn, x.y), st(v, off + 2 * sn, x.z), st(v, off + 3 * sn, x.w);
       });
     }

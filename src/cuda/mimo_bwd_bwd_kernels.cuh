@@ -183,6 +183,33 @@ struct View {
   unsigned char* p = nullptr;
   int dt = 2;
   int64_t s[5] = {0, 0, 0, 0, 0};
+  static constexpr bool kI32 = false;  // offsets in 64 bits (CView: 32)
+};
+
+// A tensor of a compile-time dtype DT and layout (the planes K3 specialised to the contiguous
+// layouts: ArgsCT<.., true>): strides s[i] = K_i where K_i > 0 (compile-time: derived from the
+// compile-time dims; the last one 1), else the runtime v[i] (32-bit). Offsets (o1 .. o5) in 32
+// bits: the host takes that kernel only for tensors of at most 2^30 elements (ct_layout_ok).
+// Reads as View (p, dt, s[i]), so that the kernel bodies take either.
+template <int DT, int... K>
+struct CView {
+  static constexpr int kRank = sizeof...(K);
+  static constexpr int dt = DT;
+  static constexpr bool kI32 = true;
+  // K_i, or 0 (runtime) for i >= kRank too.
+  static BB_HD constexpr int kat(int i) {
+    int j = 0, r = 0;
+    ((r = j++ == i ? K : r), ...);
+    return r;
+  }
+  struct Strides {
+    int v[kRank];
+    BB_HD int operator[](int i) const {
+      return i >= kRank ? 0 : kat(i) > 0 ? kat(i) : v[i];
+    }
+  };
+  unsigned char* p;
+  Strides s;
 };
 
 // Division by a runtime divisor d >= 1 of 0 <= n < 2^31 as a multiply-high, an add and a shift
@@ -261,18 +288,43 @@ struct ChunkShared {
 
 // ------------------------------------------------------------------ element access
 
-BB_DEV float ld(const View& v, int64_t off) { return rt_ld(v.p, off, v.dt); }
-BB_DEV void st(const View& v, int64_t off, float x) { rt_st(v.p, off, v.dt, x); }
-BB_DEV int64_t o1(const View& v, int64_t i0) { return i0 * v.s[0]; }
-BB_DEV int64_t o2(const View& v, int64_t i0, int64_t i1) { return i0 * v.s[0] + i1 * v.s[1]; }
-BB_DEV int64_t o3(const View& v, int64_t i0, int64_t i1, int64_t i2) {
-  return i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2];
+// (Templates over View and CView: with a CView the dtype branch and the unit / compile-time
+// strides fold, and the offsets are 32-bit.)
+template <class V>
+BB_DEV float ld(const V& v, int64_t off) { return rt_ld(v.p, off, v.dt); }
+template <class V>
+BB_DEV void st(const V& v, int64_t off, float x) { rt_st(v.p, off, v.dt, x); }
+// Offset type of a view's element offsets (same values either way: see CView).
+template <class V>
+using off_t_of = std::conditional_t<V::kI32, int, int64_t>;
+template <class V>
+BB_DEV int64_t o1(const V& v, int64_t i0) {
+  using O = off_t_of<V>;
+  return static_cast<O>(i0) * v.s[0];
 }
-BB_DEV int64_t o4(const View& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
-  return i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3];
+template <class V>
+BB_DEV int64_t o2(const V& v, int64_t i0, int64_t i1) {
+  using O = off_t_of<V>;
+  return static_cast<O>(i0) * v.s[0] + static_cast<O>(i1) * v.s[1];
 }
-BB_DEV int64_t o5(const View& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3, int64_t i4) {
-  return i0 * v.s[0] + i1 * v.s[1] + i2 * v.s[2] + i3 * v.s[3] + i4 * v.s[4];
+template <class V>
+BB_DEV int64_t o3(const V& v, int64_t i0, int64_t i1, int64_t i2) {
+  using O = off_t_of<V>;
+  return static_cast<O>(i0) * v.s[0] + static_cast<O>(i1) * v.s[1] +
+         static_cast<O>(i2) * v.s[2];
+}
+template <class V>
+BB_DEV int64_t o4(const V& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+  using O = off_t_of<V>;
+  return static_cast<O>(i0) * v.s[0] + static_cast<O>(i1) * v.s[1] +
+         static_cast<O>(i2) * v.s[2] + static_cast<O>(i3) * v.s[3];
+}
+template <class V>
+BB_DEV int64_t o5(const V& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3, int64_t i4) {
+  using O = off_t_of<V>;
+  return static_cast<O>(i0) * v.s[0] + static_cast<O>(i1) * v.s[1] +
+         static_cast<O>(i2) * v.s[2] + static_cast<O>(i3) * v.s[3] +
+         static_cast<O>(i4) * v.s[4];
 }
 
 BB_DEV float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
@@ -296,12 +348,14 @@ BB_DEV float z_gate(const Args& a, int b, int t, int h, int r, int p) {
 
 // Offset of element p = 0 of dPhiO row (t, r) in dout, and dout's stride along p (row-wise loads
 // do the multi-stride index math once per row, not per element).
-BB_DEV int64_t dphio_row(const Args& a, int b, int t, int r, int h) {
+template <class AT>
+BB_DEV int64_t dphio_row(const AT& a, int b, int t, int r, int h) {
   if (a.layout == 0) return o3(a.dout, b, t, h);
   if (a.layout == 1) return o4(a.dout, b, t, r, h);
   return o3(a.dout, b, h, static_cast<int64_t>(t) * a.R + r);
 }
-BB_DEV int64_t dphio_pstride(const Args& a) { return a.layout == 1 ? a.dout.s[4] : a.dout.s[3]; }
+template <class AT>
+BB_DEV int64_t dphio_pstride(const AT& a) { return a.layout == 1 ? a.dout.s[4] : a.dout.s[3]; }
 
 // Sum over the block in a fixed tree (deterministic); every thread must call it and gets the
 // total. Ends with a barrier, so `red` may be reused right after.
@@ -1031,6 +1085,12 @@ inline bool prefetch_allowed_by_env() {
 // changes neither the workspace nor the outputs), so a test can compare both in one process.
 inline bool specialized_allowed_by_env() {
   const char* e = std::getenv("MAMBA3_BB_SPECIALIZED");
+  return e == nullptr || e[0] != '0';
+}
+// MAMBA3_BB_CT_LAYOUT=0: the planes K3 specialised to the shape only, never to the contiguous
+// layouts too (bb::k3_kind; for A/B runs in one process and the bits tests).
+inline bool ct_layout_allowed_by_env() {
+  const char* e = std::getenv("MAMBA3_BB_CT_LAYOUT");
   return e == nullptr || e[0] != '0';
 }
 

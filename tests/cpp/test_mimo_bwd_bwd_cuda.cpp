@@ -150,7 +150,8 @@ struct Operands {
   bool d;
   std::vector<Buffer> in, out;
   Operands(int64_t B_, int64_t S_, int64_t H_, int64_t G_, int64_t N_, int64_t P_, int64_t R_,
-           int64_t C_, MimoDoutKind l, bool d_, IoType act, IoType od, uint64_t seed)
+           int64_t C_, MimoDoutKind l, bool d_, IoType act, IoType od, uint64_t seed,
+           IoType trap_t = IoType::F32)
       : B(B_), S(S_), H(H_), G(G_), N(N_), P(P_), R(R_), C(C_), layout(l), d(d_) {
     std::mt19937_64 rng(seed);
     const int64_t A = N / rdd, nch = (S + C - 1) / C;
@@ -171,7 +172,7 @@ struct Operands {
     in.push_back(rand_buf(rng, F, {B, H, S}, -2, 0));                      // da_cs
     in.push_back(rand_buf(rng, F, {B, H, S}, -2, 0));                      // da_cs_rev
     in.push_back(rand_buf(rng, F, {B, H, S}, 0.05, 0.6));                  // dt
-    in.push_back(rand_buf(rng, F, {B, H, S}, -2, 2));                      // trap
+    in.push_back(rand_buf(rng, trap_t, {B, H, S}, -2, 2));                 // trap
     in.push_back(rand_buf(rng, F, {B, H, nch, C, C}, -2, 0));              // segsum
     in.push_back(rand_buf(rng, F, {B, S, H, A}, -3, 3));                   // angles
     in.push_back(l == MimoDoutKind::ReduceO ? rand_buf(rng, F, {H, R, P}, -1, 1) : Buffer());
@@ -287,7 +288,11 @@ TEST(MimoBwdBwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
 
 // The planes K1 and K3 specialised to the reference shapes (compile-time N, P, R, C) give the
 // bits of the generic planes K1 and K3 (MAMBA3_BB_SPECIALIZED=0) at each of those shapes, whole
-// and partial chunks, the three dout layouts in turn.
+// and partial chunks, the three dout layouts in turn; then with the benchmark's operands
+// (reduce-O, contiguous, bf16 trap and outputs: bench/bench_mimo_bwd.py's bwd_bwd), which take
+// the K3 specialised to the contiguous layouts too (bb::ArgsCT<.., true>; the plan test
+// MimoBwdBwdEmulated.PlanPicksContiguousLayoutKernel checks that choice for these dtypes): its
+// bits against the generic kernels and against the shape-only K3 (MAMBA3_BB_CT_LAYOUT=0).
 TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
   SKIP_WITHOUT_CUDA();
 #ifdef MAMBA3_GOLDEN_CUDA
@@ -304,6 +309,25 @@ TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
     for (size_t j = 0; j < spec.size(); ++j)
       EXPECT_TRUE(spec[j] == gen[j]) << kOutNames[j] << " differs at N" << s[0] << " P" << s[1]
                                      << " R" << s[2] << " C" << s[3];
+    expect_finite(op, spec);
+  }
+  k = 0;
+  for (const auto& s : shapes) {
+    Operands op(2, 150, 2, 1, s[0], s[1], s[2], s[3], MimoDoutKind::ReduceO, k % 2 == 0,
+                IoType::BF16, IoType::BF16, 171 + k, IoType::BF16);
+    ++k;
+    OnDevice dev(op, false);
+    const auto [spec, gen] = results_default_and_switched_off(dev, "MAMBA3_BB_SPECIALIZED");
+    for (size_t j = 0; j < spec.size(); ++j)
+      EXPECT_TRUE(spec[j] == gen[j]) << kOutNames[j] << " differs at N" << s[0] << " P" << s[1]
+                                     << " R" << s[2] << " C" << s[3]
+                                     << " (contiguous layouts)";
+    // ... and those of the shape-only copy (MAMBA3_BB_CT_LAYOUT=0).
+    const auto [cl, shape] = results_default_and_switched_off(dev, "MAMBA3_BB_CT_LAYOUT");
+    for (size_t j = 0; j < cl.size(); ++j)
+      EXPECT_TRUE(cl[j] == shape[j] && cl[j] == spec[j])
+          << kOutNames[j] << " differs from the shape-only K3 at N" << s[0] << " P" << s[1]
+          << " R" << s[2] << " C" << s[3];
     expect_finite(op, spec);
   }
 #endif

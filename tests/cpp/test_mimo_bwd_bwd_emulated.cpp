@@ -16,12 +16,14 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/mimo_bwd_bwd_params.hpp"
@@ -65,17 +67,25 @@ void launch(int64_t grid, int nthreads, F body) {
 
 // Which K3 the plan must take: chunk_body over the scratch slots, or the planes kernel (PlanesCT:
 // its specialised copy, bb::ArgsCT, for the first run of check_case, the generic one for the
-// second: their outputs must have the same bits).
-enum class K3 { Slots, Planes, PlanesCT };
+// second: their outputs must have the same bits; PlanesCTL: the same with the copy specialised
+// to the contiguous layouts too, ArgsCT<.., true>, which the first run's operands must select).
+enum class K3 { Slots, Planes, PlanesCT, PlanesCTL };
 
 // Runs K3 specialised to (N, P, R, C) when a has that shape (rotary divisor 4, as the device
-// kernels); false otherwise.
+// kernels), and to the contiguous layouts when bb::ct_layout_ok(a) (as mimo_bwd_bwd.cu picks:
+// bb::k3_kind); false otherwise.
 template <int N, int P, int R, int C>
 bool launch_planes_ct(const bb::Args& a, int64_t grid, unsigned char* smem) {
   if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4) return false;
-  bb::ArgsCT<N, P, R, C> s;
-  static_cast<bb::Args&>(s) = a;
-  launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(s, smem); });
+  if (bb::ct_layout_ok(a)) {
+    auto s = std::make_unique<bb::ArgsCT<N, P, R, C, true>>();
+    s->set(a);
+    launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(*s, smem); });
+  } else {
+    bb::ArgsCT<N, P, R, C> s;
+    static_cast<bb::Args&>(s) = a;
+    launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(s, smem); });
+  }
   return true;
 }
 
@@ -107,7 +117,9 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.bytes), 0xff);
     // The device launches one CTA per SM (grid-stride); max_slots stands in for the SM count.
     const int64_t grid = std::min(pl.grid3, max_slots);
-    if (k3 == K3::PlanesCT && !scalar_loads) {
+    if ((k3 == K3::PlanesCT || k3 == K3::PlanesCTL) && !scalar_loads) {
+      ASSERT_EQ(bb::ct_layout_ok(a), k3 == K3::PlanesCTL)
+          << "the operands do not select the requested specialisation";
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data()) ||
                    launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data())))
           << "no specialised K3 of this shape in the test";
@@ -133,6 +145,9 @@ struct Shape {
   int64_t pad;
   IoType act, out;
   bool dout_f32 = false;  // fp32 dout with 16-bit q, k, v (what the combined backward hands over)
+  // The benchmark's dtypes (bench/bench_mimo_bwd.py's bwd_bwd: fp32 biases and dt, bf16 states,
+  // qk_dot and trap), with act = out = BF16: what ArgsCT<.., true> is specialised to.
+  bool bench_dtypes = false;
 };
 
 const char* kNames[] = {"dq",     "dk",  "dv",    "dmimo_v",    "dangles", "dfactor",
@@ -146,7 +161,10 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
                std::to_string(s.H) + " G" + std::to_string(s.G) + " N" + std::to_string(s.N) +
                " P" + std::to_string(s.P) + " R" + std::to_string(s.R) + " C" +
                std::to_string(s.C) + " layout" + std::to_string(s.layout) +
-               (k3 == K3::Planes ? " planes" : k3 == K3::PlanesCT ? " planes (specialised)" : ""));
+               (k3 == K3::Planes     ? " planes"
+                : k3 == K3::PlanesCT  ? " planes (specialised)"
+                : k3 == K3::PlanesCTL ? " planes (specialised, contiguous layouts)"
+                                      : ""));
   const int64_t B = s.B, S = s.S, H = s.H, G = s.G, N = s.N, P = s.P, R = s.R, C = s.C;
   const int64_t A = N / s.rdd, nch = (S + C - 1) / C;
   std::mt19937_64 rng(seed);
@@ -160,10 +178,12 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   in.push_back(rand_buf(rng, s.act, {B, S, R, G, N}, -1, 1, s.pad));      // k
   in.push_back(rand_buf(rng, s.act, {B, S, H, P}, -1, 1, s.pad));         // v
   in.push_back(rand_buf(rng, F, {H, R, N}, -0.5, 0.5, s.pad));            // q_bias
-  in.push_back(rand_buf(rng, s.act, {H, R, N}, -0.5, 0.5, s.pad));      // k_bias
+  in.push_back(rand_buf(rng, s.bench_dtypes ? F : s.act, {H, R, N}, -0.5, 0.5,
+                        s.pad));  // k_bias
   in.push_back(rand_buf(rng, F, {H, R, P}, -1, 1, s.pad));                // mimo_v
   in.push_back(rand_buf(rng, s.act, {B, H, nch, N, P}, -1, 1, s.pad));  // states
-  in.push_back(rand_buf(rng, F, {B, H, S, R, R}, -2, 2, s.pad));          // qk_dot
+  in.push_back(rand_buf(rng, s.bench_dtypes ? IoType::BF16 : F, {B, H, S, R, R}, -2, 2,
+                        s.pad));  // qk_dot
   // Decays consistent with one adt <= 0 (as the first pass would see them).
   std::vector<double> adt(B * H * S), dacs(B * H * S), rev(B * H * S), seg(B * H * nch * C * C);
   for (double& x : adt) x = -std::uniform_real_distribution<double>(0.02, 0.4)(rng);
@@ -189,8 +209,10 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   };
   in.push_back(from({B, H, S}, dacs));                                   // da_cs
   in.push_back(from({B, H, S}, rev));                                    // da_cs_rev
-  in.push_back(rand_buf(rng, s.act, {B, H, S}, 0.05, 0.6, s.pad));      // dt
-  in.push_back(rand_buf(rng, F, {B, H, S}, -2, 2, s.pad));               // trap
+  in.push_back(rand_buf(rng, s.bench_dtypes ? F : s.act, {B, H, S}, 0.05, 0.6,
+                        s.pad));  // dt
+  in.push_back(rand_buf(rng, s.bench_dtypes ? IoType::BF16 : F, {B, H, S}, -2, 2,
+                        s.pad));  // trap
   in.push_back(from({B, H, nch, C, C}, seg));                            // segsum
   in.push_back(rand_buf(rng, F, {B, S, H, A}, -3, 3, s.pad));            // angles
   in.push_back(s.layout == kReduceO ? rand_buf(rng, F, {H, R, P}, -1, 1, s.pad) : Buffer());
@@ -414,6 +436,20 @@ TEST(MimoBwdBwdEmulated, PlanesKernelSpecialisedGivesIdenticalBits) {
              K3::PlanesCT);
 }
 
+// The planes K3 specialised to the shape and to the contiguous layouts and dtypes of the
+// benchmark (bb::ArgsCT<.., true>: compile-time dtypes, strides and flags, 32-bit offsets)
+// against the generic one: the same bits. Batches and heads (the runtime strides), full and
+// partial chunks, several chunks per CTA; fp32 and bf16 outputs.
+TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
+  const IoType BF = IoType::BF16;
+  Shape s{2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
+  s.bench_dtypes = true;
+  check_case(s, 511, 2, K3::PlanesCTL);
+  Shape s2{1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF};
+  s2.bench_dtypes = true;
+  check_case(s2, 512, 3, K3::PlanesCTL);
+}
+
 // The planes kernel walks several chunks per CTA (the device launches one CTA per SM; here 3)
 // and prefetches the next one's inputs.
 TEST(MimoBwdBwdEmulated, PlanesKernelGridStride) {
@@ -456,6 +492,122 @@ TEST(MimoBwdBwdEmulated, PlanPicksPlanesKernel) {
   EXPECT_FALSE(plan(DType::BF16, 48, 64, 2, 8).planes);    // N not a power of two
   EXPECT_FALSE(plan(DType::BF16, 64, 48, 2, 8).planes);    // P not a power of two
   EXPECT_TRUE(plan(DType::BF16, 64, 64, 2, 8).planes);     // (the same with powers of two)
+}
+
+// Which planes K3 the launch takes (bb::k3_kind, as mimo_bwd_bwd.cu): at SPEC.md's grid shapes
+// with the benchmark's operands (bench/bench_mimo_bwd.py's bwd_bwd: contiguous, aligned, its
+// dtypes, reduce-O dout) the copy specialised to the shape and the contiguous layouts; any other
+// dtype, layout, stride, alignment or a gate keeps the shape-specialised copy; shapes off the
+// grid the generic kernel.
+TEST(MimoBwdBwdEmulated, PlanPicksContiguousLayoutKernel) {
+  if (!bb::planes_allowed_by_env())
+    GTEST_SKIP() << "MAMBA3_BB_PLANES=0: the plan never takes the planes kernels";
+  if (!bb::specialized_allowed_by_env())
+    GTEST_SKIP() << "MAMBA3_BB_SPECIALIZED=0: the launch never takes the specialised kernels";
+  using mamba3::DType;
+  using K = bb::K3Kind;
+  const DType F = DType::F32, BF = DType::BF16;
+  // Fake, aligned device addresses (make_args reads none of them), one per tensor.
+  uintptr_t next = uintptr_t{1} << 20;
+  auto tv = [&](DType dt, std::vector<int64_t> shape) {
+    mamba3::TensorView t;
+    t.data = reinterpret_cast<void*>(next);
+    next += uintptr_t{1} << 32;
+    t.dtype = dt;
+    t.ndim = static_cast<int>(shape.size());
+    int64_t st = 1;
+    for (int i = t.ndim - 1; i >= 0; --i) t.shape[i] = shape[i], t.strides[i] = st, st *= shape[i];
+    return t;
+  };
+  auto params = [&](int64_t N, int64_t P, int64_t R, int64_t C) {
+    mamba3::MimoBwdBwdParams p;
+    const int64_t B = 2, S = 100, H = 4, G = 2, nch = (S + C - 1) / C, A = N / 4;
+    p.B = B, p.S = S, p.H = H, p.G = G, p.N = N, p.P = P, p.R = R, p.C = C, p.nchunks = nch;
+    p.A = A, p.has_d = true, p.dout_layout = mamba3::MimoDout::ReduceO;
+    p.dout = tv(BF, {B, S, H, P}), p.q = tv(BF, {B, S, R, G, N}), p.k = tv(BF, {B, S, R, G, N});
+    p.v = tv(BF, {B, S, H, P}), p.q_bias = tv(F, {H, R, N}), p.k_bias = tv(F, {H, R, N});
+    p.mimo_v = tv(F, {H, R, P}), p.mimo_o = tv(F, {H, R, P});
+    p.states = tv(BF, {B, H, nch, N, P}), p.qk_dot = tv(BF, {B, H, S, R, R});
+    p.da_cs = tv(F, {B, H, S}), p.da_cs_rev = tv(F, {B, H, S}), p.dt = tv(F, {B, H, S});
+    p.trap = tv(BF, {B, H, S}), p.segsum = tv(F, {B, H, nch, C, C});
+    p.angles = tv(F, {B, S, H, A}), p.d = tv(F, {H});
+    p.dq = tv(BF, {B, S * R, H, N}), p.dk = tv(BF, {B, S * R, H, N}), p.dv = tv(BF, {B, S, H, P});
+    p.dmimo_v = tv(F, {B, H, R, P}), p.dangles = tv(F, {B, S, H, A});
+    p.dfactor = tv(F, {B, H, S}), p.dgamma = tv(F, {B, H, S}), p.dda = tv(F, {B, H, S});
+    p.dssda = tv(F, {B, H, nch, C, C}), p.dda_cs_rev = tv(F, {B, H, S});
+    p.dda_cs = tv(F, {B, H, S}), p.dd = tv(F, {B, H});
+    return p;
+  };
+  auto kind = [](const mamba3::MimoBwdBwdParams& p) {
+    const bb::Plan pl = bb::make_plan(p);
+    EXPECT_TRUE(pl.planes);
+    return bb::k3_kind(bb::make_args(p, pl, reinterpret_cast<void*>(uintptr_t{1} << 12)));
+  };
+  const int64_t grid[][4] = {{16, 64, 4, 8},   {32, 64, 4, 16},  {64, 64, 4, 16},
+                             {128, 64, 4, 16}, {256, 64, 4, 8},  {64, 128, 4, 16},
+                             {128, 32, 4, 16}, {128, 128, 4, 8}, {128, 64, 8, 8},
+                             {128, 64, 2, 32}, {128, 64, 1, 64}};
+  for (const auto& g : grid) {
+    SCOPED_TRACE("N" + std::to_string(g[0]) + " P" + std::to_string(g[1]) + " R" +
+                 std::to_string(g[2]) + " C" + std::to_string(g[3]));
+    EXPECT_EQ(kind(params(g[0], g[1], g[2], g[3])), K::kShapeLayout);
+    mamba3::MimoBwdBwdParams p = params(g[0], g[1], g[2], g[3]);
+    p.has_d = false, p.d = mamba3::TensorView{}, p.dd = mamba3::TensorView{};
+    EXPECT_EQ(kind(p), K::kShapeLayout) << "without d";
+  }
+  // One change at a time, at N128 P64 R4 C16: the shape-specialised copy.
+  using Pm = mamba3::MimoBwdBwdParams;
+  using Edit = void (*)(Pm&);
+  const std::pair<const char*, Edit> edits[] = {
+      {"fp32 dout (the combined backward)", [](Pm& p) { p.dout.dtype = DType::F32; }},
+      {"fp32 states", [](Pm& p) { p.states.dtype = DType::F32; }},
+      {"fp32 dq, dk", [](Pm& p) { p.dq.dtype = p.dk.dtype = DType::F32; }},
+      {"fp32 dv", [](Pm& p) { p.dv.dtype = DType::F32; }},
+      {"bf16 q_bias", [](Pm& p) { p.q_bias.dtype = DType::BF16; }},
+      {"bf16 dt", [](Pm& p) { p.dt.dtype = DType::BF16; }},
+      {"fp32 qk_dot", [](Pm& p) { p.qk_dot.dtype = DType::F32; }},
+      {"fp32 trap", [](Pm& p) { p.trap.dtype = DType::F32; }},
+      {"bf16 dangles", [](Pm& p) { p.dangles.dtype = DType::BF16; }},
+      {"padded q rows",
+       [](Pm& p) {
+         for (int i = 0; i < 3; ++i) p.q.strides[i] *= 2;
+         p.q.strides[3] += 8;
+       }},
+      {"transposed segsum", [](Pm& p) { std::swap(p.segsum.strides[3], p.segsum.strides[4]); }},
+      {"strided dssda", [](Pm& p) { p.dssda.strides[4] = 2; }},
+      {"padded states",
+       [](Pm& p) {
+         for (int i = 0; i < 4; ++i) p.states.strides[i] += 2;
+       }},
+      {"q base off quads", [](Pm& p) { p.q.data = static_cast<char*>(p.q.data) + 4; }},
+      {"per-rank dout", [](Pm& p) {
+         p.dout_layout = mamba3::MimoDout::PerRank;
+         p.mimo_o = mamba3::TensorView{};
+         const int64_t st[] = {p.S * p.R * p.H * p.P, p.R * p.H * p.P, p.H * p.P, p.P, 1};
+         p.dout.ndim = 5;
+         for (int i = 0; i < 5; ++i) p.dout.strides[i] = st[i];
+         p.dout.shape[0] = p.B, p.dout.shape[1] = p.S, p.dout.shape[2] = p.R;
+         p.dout.shape[3] = p.H, p.dout.shape[4] = p.P;
+       }},
+  };
+  for (const auto& [what, edit] : edits) {
+    mamba3::MimoBwdBwdParams p = params(128, 64, 4, 16);
+    edit(p);
+    EXPECT_EQ(kind(p), K::kShape) << what;
+  }
+  {  // the gate (what the combined backward's z adds)
+    mamba3::MimoBwdBwdParams p = params(128, 64, 4, 16);
+    p.z = tv(DType::BF16, {p.B, p.S, p.H, p.P}), p.mimo_z = tv(DType::F32, {p.H, p.R, p.P});
+    EXPECT_EQ(kind(p), K::kShape) << "gate";
+  }
+  // MAMBA3_BB_CT_LAYOUT=0: the shape-specialised copy.
+  setenv("MAMBA3_BB_CT_LAYOUT", "0", 1);
+  const K off = kind(params(128, 64, 4, 16));
+  unsetenv("MAMBA3_BB_CT_LAYOUT");
+  EXPECT_EQ(off, K::kShape) << "MAMBA3_BB_CT_LAYOUT=0";
+  // Off the grid (no specialised copies): the generic kernel, contiguous or not.
+  EXPECT_EQ(kind(params(64, 64, 2, 8)), K::kGeneric);
+  EXPECT_EQ(kind(params(64, 64, 4, 8)), K::kGeneric);
 }
 
 // The plan's choice of tensor-core products (3xTF32): 16-bit q, k and v (dout of any dtype:
