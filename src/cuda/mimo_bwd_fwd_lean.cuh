@@ -270,13 +270,14 @@ MB_DEV void lean_chunk_pre_store(const AT& a, const MbLayout& L, float* sm, cons
 // the sequence are not touched. REV: the threads from the last down (task e on thread
 // NT - 1 - e; K3 calls it before lean_scores, whose masked tiles lie on the last warps).
 template <int NT, bool Q, bool X, bool REV = false, class AT>
-MB_DEV void lean_prefetch_chunk(const AT& at, const MbCta& k, int c) {
-  // The base's runtime views (a hint: MbArgsCT<.., true> keeps them filled, same values).
-  const MbArgs& a = at;
+MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
+  // The views through the base (MbArgsCT<.., true> keeps its runtime views filled, the same
+  // values): one pointer type for the rows of different tensors.
+  const MbArgs& b = a;
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), R = a.R, lgR = a.lgR, LR = Lc * R;
   const bool hz = X && a.has_z, ro = a.reduce_o;
   const int g_k = LR, g_q = g_k + (Q ? LR : 0), g_v = g_q + Lc, g_z = g_v + (hz ? Lc : 0),
-            g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (a.angles.p ? Lc : 0),
+            g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (b.angles.p ? Lc : 0),
             g_s = g_a + (X && Lc == a.C ? a.C : 0);
   for (int e = REV ? NT - 1 - mb_tid() : mb_tid(); e < g_s; e += NT) {
     const MbView* v;
@@ -284,15 +285,15 @@ MB_DEV void lean_prefetch_chunk(const AT& at, const MbCta& k, int c) {
     int cnt;
     if (e < g_q) {  // [B, S, R, G, N]
       const int row = e < g_k ? e : e - g_k, t = row >> lgR, r = row & (R - 1);
-      v = e < g_k ? &a.k : &a.q;
+      v = e < g_k ? &b.k : &b.q;
       off = k.b * v->s[0] + (s0 + t) * v->s[1] + r * v->s[2] + k.g * v->s[3];
       stride = v->s[4], cnt = a.N;
     } else if (e < g_z) {  // v, z [B, S, H, P]
-      v = e < g_v ? &a.v : &a.z;
+      v = e < g_v ? &b.v : &b.z;
       off = k.b * v->s[0] + (s0 + e - (e < g_v ? g_q : g_v)) * v->s[1] + k.h * v->s[2];
       stride = v->s[3], cnt = a.P;
     } else if (e < g_d) {  // dout [B, S, H, P] (reduce-O) or [B, S, R, H, P]
-      const MbView& o = a.dout;
+      const MbView& o = b.dout;
       const int row = e - g_z;
       v = &o, cnt = a.P;
       if (ro) {
@@ -303,10 +304,10 @@ MB_DEV void lean_prefetch_chunk(const AT& at, const MbCta& k, int c) {
         stride = o.s[4];
       }
     } else if (e < g_a) {  // angles [B, S, H, A]
-      v = &a.angles, cnt = a.A;
+      v = &b.angles, cnt = a.A;
       off = k.b * v->s[0] + (s0 + e - g_d) * v->s[1] + k.h * v->s[2], stride = v->s[3];
     } else {  // segsum [B, H, nch, C, C], row t (lean_chunk_weights reads its s < t)
-      v = &a.segsum, cnt = a.C;
+      v = &b.segsum, cnt = a.C;
       off = k.b * v->s[0] + k.h * v->s[1] + static_cast<int64_t>(c) * v->s[2] + (e - g_a) * v->s[3];
       stride = v->s[4];
     }
