@@ -80,18 +80,21 @@ inline bool lean_specialized_allowed_by_env() {
 // translation unit.
 bool lean_specialized_a(const MbArgs& a, int nt, int st, LeanPair* out);
 bool lean_specialized_b(const MbArgs& a, int nt, int st, LeanPair* out);
-// The K3 specialised to a's shape and the benchmark's layouts (MbArgsCT<.., true>), where one
-// was compiled for them (mimo_bwd_fwd_specialized_c.cu); the caller checks lean_ct_layout_ok.
-bool lean_specialized_layout(const MbArgs& a, int nt, int st, LeanLaunch* k3);
+// The K3 (mimo_bwd_fwd_specialized_c.cu) / K1 (_d.cu) specialised to a's shape and the
+// benchmark's layouts (MbArgsCT<.., true>), where one was compiled for them; the caller checks
+// lean_ct_layout_ok.
+bool lean_specialized_layout_k3(const MbArgs& a, int nt, int st, LeanLaunch* k3);
+bool lean_specialized_layout_k1(const MbArgs& a, int nt, int st, LeanLaunch* k1);
 
-// The shape's K3 is replaced by its contiguous-layout copy where lean_ct_layout_ok (and
-// MAMBA3_MIMO_CT_LAYOUT is not 0); K1 stays the shape's copy.
+// The shape's K3 and K1 are replaced by their contiguous-layout copies where lean_ct_layout_ok
+// (and MAMBA3_MIMO_CT_LAYOUT is not 0).
 inline bool lean_specialized(const MbArgs& a, int nt, int st, LeanPair* out) {
   if (!lean_specialized_allowed_by_env()) return false;
   if (!lean_specialized_a(a, nt, st, out) && !lean_specialized_b(a, nt, st, out)) return false;
   if (lean_ct_layout_allowed_by_env() && lean_ct_layout_ok(a)) {
-    LeanLaunch k3;
-    if (lean_specialized_layout(a, nt, st, &k3)) out->k3 = k3;
+    LeanLaunch k;
+    if (lean_specialized_layout_k3(a, nt, st, &k)) out->k3 = k;
+    if (lean_specialized_layout_k1(a, nt, st, &k)) out->k1 = k;
   }
   return true;
 }
@@ -108,7 +111,7 @@ struct MbArgsShapeCT : MbArgs {
   static constexpr int Tb = C_ * R_, Ppt = P_, LP = P_ + 8;
 };
 
-// CL (K3 only): also the layouts and dtypes of the benchmark's first pass (lean_ct_layout_ok).
+// CL: also the layouts and dtypes of the benchmark's first pass (lean_ct_layout_ok).
 // The views K3 reads or writes in its loops are MbCViews (compile-time dtypes, unit last
 // strides, the strides of compile-time dims folded, 32-bit offsets) and the flags constants:
 // the dtype and load-layout dispatches (three copies of each loop), the flag tests and the
@@ -144,9 +147,9 @@ struct MbArgsCT<N_, P_, R_, C_, true> : MbArgsShapeCT<N_, P_, R_, C_> {
 };
 
 #if defined(__CUDACC__)
-template <int NT, int ST, int N, int P, int R, int C>
+template <int NT, int ST, int N, int P, int R, int C, bool CL = false>
 __global__ void __launch_bounds__(NT, 1)
-    mimo_lean_local_scan_ct_kernel(const __grid_constant__ MbArgsCT<N, P, R, C> a) {
+    mimo_lean_local_scan_ct_kernel(const __grid_constant__ MbArgsCT<N, P, R, C, CL> a) {
   extern __shared__ float4 smem4[];
   k1_lean_body<NT, ST>(a, reinterpret_cast<float*>(smem4));
 }
@@ -185,23 +188,33 @@ bool lean_specialized_shape(const MbArgs& a, int nt, int st, LeanPair* out) {
   return true;
 }
 
-// The K3 for shape (N, P, R, C) and the benchmark's layouts (MbArgsCT<.., true>) at the plan's
-// thread count and state tiles; *k3 when they match (as lean_specialized_shape).
-template <int N, int P, int R, int C>
-bool lean_specialized_layout_shape(const MbArgs& a, int nt, int st, LeanLaunch* k3) {
+// K3 (K1 if K1) for shape (N, P, R, C) and the benchmark's layouts (MbArgsCT<.., true>) at the
+// plan's thread count and state tiles; *kl when they match (as lean_specialized_shape).
+template <int N, int P, int R, int C, bool K1 = false>
+bool lean_specialized_layout_shape(const MbArgs& a, int nt, int st, LeanLaunch* kl) {
   constexpr int NT = lean_nt_rule(N), ST = lean_state_tiles(N, P, NT);
   static_assert(ST > 0, "a lean shape");
   using CT = MbArgsCT<N, P, R, C, true>;
   if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4 || nt != NT || st != ST ||
       a.Tb != CT::Tb || a.Ppt != CT::Ppt || a.LP != CT::LP)
     return false;
-  k3->kernel =
-      reinterpret_cast<const void*>(mimo_lean_chunk_pass_ct_kernel<NT, ST, N, P, R, C, true>);
-  k3->launch = [](const MbArgs& x, unsigned grid, int nthreads, int smem, cudaStream_t s) {
-    CT c;
-    c.set(x);
-    mimo_lean_chunk_pass_ct_kernel<NT, ST, N, P, R, C, true><<<grid, nthreads, smem, s>>>(c);
-  };
+  if constexpr (K1) {
+    kl->kernel =
+        reinterpret_cast<const void*>(mimo_lean_local_scan_ct_kernel<NT, ST, N, P, R, C, true>);
+    kl->launch = [](const MbArgs& x, unsigned grid, int nthreads, int smem, cudaStream_t s) {
+      CT c;
+      c.set(x);
+      mimo_lean_local_scan_ct_kernel<NT, ST, N, P, R, C, true><<<grid, nthreads, smem, s>>>(c);
+    };
+  } else {
+    kl->kernel =
+        reinterpret_cast<const void*>(mimo_lean_chunk_pass_ct_kernel<NT, ST, N, P, R, C, true>);
+    kl->launch = [](const MbArgs& x, unsigned grid, int nthreads, int smem, cudaStream_t s) {
+      CT c;
+      c.set(x);
+      mimo_lean_chunk_pass_ct_kernel<NT, ST, N, P, R, C, true><<<grid, nthreads, smem, s>>>(c);
+    };
+  }
   return true;
 }
 #endif

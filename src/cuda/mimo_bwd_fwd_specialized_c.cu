@@ -5,7 +5,7 @@
 
 namespace mamba3::cuda::mimo {
 
-bool lean_specialized_layout(const MbArgs& a, int nt, int st, LeanLaunch* k3) {
+bool lean_specialized_layout_k3(const MbArgs& a, int nt, int st, LeanLaunch* k3) {
   // The shapes of mimo_bwd_fwd_specialized_{a,b}.cu (not (128, 64, 1, 64): see there).
   return lean_specialized_layout_shape<16, 64, 4, 8>(a, nt, st, k3) ||
          lean_specialized_layout_shape<32, 64, 4, 16>(a, nt, st, k3) ||

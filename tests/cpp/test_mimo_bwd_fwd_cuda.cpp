@@ -345,8 +345,9 @@ TEST(MimoBwdFwdCuda, SpecializedKernelsGiveIdenticalBits) {
   }
   // The benchmark's bwd_fwd operands (bench/bench_mimo_bwd.py: bf16 activations, outputs and
   // trap, fp32 parameters and decays, reduce-O with Z and D, no norm, contiguous), which take
-  // the K3 specialised to the contiguous layouts too (MbArgsCT<.., true>): its bits equal the
-  // shape-only copy's (MAMBA3_MIMO_CT_LAYOUT=0) and the generic kernels' (MAMBA3_MIMO_SPECIALIZED=0).
+  // the K3 and K1 specialised to the contiguous layouts too (MbArgsCT<.., true>; K1 where the
+  // plan has segments): their bits equal the shape-only copies' (MAMBA3_MIMO_CT_LAYOUT=0) and
+  // the generic kernels' (MAMBA3_MIMO_SPECIALIZED=0).
   for (const auto& s : shapes) {
     MimoOperands op(2, 150, 2, 1, s[0], s[1], s[2], s[3], true, true, false, IoType::BF16,
                     IoType::BF16, 191 + k++, IoType::BF16);

@@ -70,19 +70,22 @@ Body lean_body(bool k1, int nt, int st) {
   return nt == 256 ? lean_nt<256>(k1, st) : lean_nt<512>(k1, st);
 }
 
-// The K3 specialised to shape (N, P, R, C) and the benchmark's contiguous layouts
-// (MbArgsCT<.., true>, as mimo_bwd_fwd_specialized_c.cu's kernels), at the plan's NT and ST.
-template <int N, int P, int R, int C>
-void k3_lean_ct_layout(const mimo::MbArgs& a, float* sm) {
+// K3 (K1 if K1) specialised to shape (N, P, R, C) and the benchmark's contiguous layouts
+// (MbArgsCT<.., true>, as mimo_bwd_fwd_specialized_{c,d}.cu's kernels), at the plan's NT, ST.
+template <bool K1, int N, int P, int R, int C>
+void lean_ct_layout(const mimo::MbArgs& a, float* sm) {
   constexpr int NT = mimo::lean_nt_rule(N), ST = mimo::lean_state_tiles(N, P, NT);
   mimo::MbArgsCT<N, P, R, C, true> c;
   c.set(a);
-  mimo::k3_lean_body<NT, ST>(c, sm);
+  if constexpr (K1) mimo::k1_lean_body<NT, ST>(c, sm);
+  else mimo::k3_lean_body<NT, ST>(c, sm);
 }
 // The shapes the bits test runs (nullptr for any other).
-Body lean_k3_ct_layout(const mimo::MbArgs& a) {
-  if (a.N == 128 && a.P == 64 && a.R == 4 && a.C == 16) return k3_lean_ct_layout<128, 64, 4, 16>;
-  if (a.N == 16 && a.P == 64 && a.R == 4 && a.C == 8) return k3_lean_ct_layout<16, 64, 4, 8>;
+Body lean_body_ct_layout(bool k1, const mimo::MbArgs& a) {
+  if (a.N == 128 && a.P == 64 && a.R == 4 && a.C == 16)
+    return k1 ? lean_ct_layout<true, 128, 64, 4, 16> : lean_ct_layout<false, 128, 64, 4, 16>;
+  if (a.N == 16 && a.P == 64 && a.R == 4 && a.C == 8)
+    return k1 ? lean_ct_layout<true, 16, 64, 4, 8> : lean_ct_layout<false, 16, 64, 4, 8>;
   return nullptr;
 }
 
@@ -97,8 +100,8 @@ void launch_smem(int64_t grid, int nt, size_t bytes, Body body, const mimo::MbAr
 }
 
 // Runs the kernels exactly as src/cuda/mimo_bwd_fwd.cu's mimo_bwd_fwd launches them (lean path).
-// ct_layout: K3 is the copy specialised to the shape and the contiguous layouts (which must
-// apply: lean_ct_layout_ok and a compiled shape at the plan's thread count and state tiles).
+// ct_layout: K1 and K3 are the copies specialised to the shape and the contiguous layouts (which
+// must apply: lean_ct_layout_ok and a compiled shape at the plan's thread count and state tiles).
 void emulate(const mamba3::MimoBwdFwdParams& p, const mimo::MbPlan& pl, bool ct_layout = false) {
   std::vector<float> ws(pl.ws_total / sizeof(float) + 1, kNaN);
   mimo::MbArgs a{};
@@ -115,15 +118,17 @@ void emulate(const mamba3::MimoBwdFwdParams& p, const mimo::MbPlan& pl, bool ct_
   }
 
   const int64_t BH = p.B * p.H;
+  const Body k1 = ct_layout ? lean_body_ct_layout(true, a) : lean_body(true, pl.nt, pl.lean);
   if (pl.nseg > 1) {
-    launch_smem(BH * pl.npt * pl.nsub, pl.nt, pl.smem1, lean_body(true, pl.nt, pl.lean), a);
+    ASSERT_NE(k1, nullptr);
+    launch_smem(BH * pl.npt * pl.nsub, pl.nt, pl.smem1, k1, a);
     const int64_t per_bh = (p.N * p.P + mimo::kNT - 1) / mimo::kNT;
     emu::launch(BH * per_bh, mimo::kNT, [&] { mimo::k2_body(a); });
   }
   Body k3 = lean_body(false, pl.nt, pl.lean);
   if (ct_layout) {
     ASSERT_TRUE(mimo::lean_ct_layout_ok(a)) << "operands outside the contiguous-layout K3";
-    k3 = lean_k3_ct_layout(a);
+    k3 = lean_body_ct_layout(false, a);
     ASSERT_NE(k3, nullptr) << "no contiguous-layout K3 in this test for the shape";
     ASSERT_EQ(pl.nt, mimo::lean_nt_rule(p.N));
     ASSERT_EQ(pl.lean, mimo::lean_state_tiles(p.N, p.P, pl.nt));
@@ -312,7 +317,7 @@ void check_case(const Shape& s, uint64_t seed) {
   EXPECT_EQ(mimo::mb_problem(p).lean_vec4, s.pad % 4 == 0);
   emulate(p, pl);
   if (s.ct_bits) {
-    // The same operands through K3's contiguous-layout copy: every output byte equal.
+    // The same operands through the contiguous-layout K1 and K3: every output byte equal.
     std::vector<Buffer> ct = outputs();
     for (size_t i = 0; i < ct.size(); ++i) *outs[i] = view_of(ct[i]);
     emulate(p, pl, true);
@@ -322,7 +327,7 @@ void check_case(const Shape& s, uint64_t seed) {
       size_t diff = 0;
       for (size_t i = 0; i < got[k].bytes.size(); ++i) diff += got[k].bytes[i] != ct[k].bytes[i];
       EXPECT_EQ(diff, 0u) << kNames[k] << ": bytes differ between the generic and the "
-                          << "contiguous-layout K3";
+                          << "contiguous-layout K1 / K3";
     }
   }
 
@@ -473,15 +478,16 @@ TEST(MimoBwdFwdEmulated, ExchangeDeferredOrNot) {
   }
 }
 
-// The lean K3 specialised to the benchmark's contiguous layouts and dtypes (MbArgsCT<.., true>:
+// The lean K3 and K1 specialised to the benchmark's contiguous layouts and dtypes (MbArgsCT<.., true>:
 // bf16 q, k, v, z, dout and outputs, fp32 angles, segsum, da_cs, dt, bf16 trap; reduce-O with the
 // gate and D, no norm) gives the generic kernel's bits, at the benchmark's N128 P64 R4 C16 (in
 // one segment and in the plan's segments) and at a C = 8 shape (N16 P64 R4 C8, 256 threads),
 // with a partial last chunk. The GPU check: MimoBwdFwdCuda.SpecializedKernelsGiveIdenticalBits.
-TEST(MimoBwdFwdEmulated, ContiguousLayoutK3GivesIdenticalBits) {
+TEST(MimoBwdFwdEmulated, ContiguousLayoutKernelsGiveIdenticalBits) {
   for (int sms : {1, 132}) {
     Shape s{1, 37, 1, 1, 128, 64, 4, 16, 4, true, true, true, false, 0, kF, kBF, 512};
     s.sms = sms, s.want_st = 2, s.ct_bits = true;
+    s.want_segments = sms > 1;  // K1 runs
     check_case(s, 91 + sms);
   }
   Shape c8{1, 21, 2, 1, 16, 64, 4, 8, 4, true, true, true, false, 0, kF, kBF, 256};
