@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -94,7 +95,41 @@ struct MbView {
   unsigned char* p = nullptr;
   int dt = 2;
   int64_t s[5] = {0, 0, 0, 0, 0};
+  static constexpr bool kI32 = false;  // offsets in 64 bits (MbCView: 32)
 };
+
+#if defined(__CUDACC__)
+#define MB_HD __host__ __device__ inline
+#else
+#define MB_HD inline
+#endif
+
+// A tensor of a compile-time dtype DT and layout (the lean K3 specialised to the benchmark's
+// contiguous layouts: MbArgsCT<.., true>): strides s[i] = K_i where K_i > 0 (compile-time,
+// derived from compile-time dims; the last one 1), else the runtime v[i] (32-bit). Offsets in
+// 32 bits (mb_off_t): the host takes that kernel only for tensors of at most 2^30 elements
+// (lean_ct_layout_ok). Reads as MbView (p, dt, s[i]), so the lean bodies take either.
+template <int DT, int... K>
+struct MbCView {
+  static constexpr int kRank = sizeof...(K);
+  static constexpr int dt = DT;
+  static constexpr bool kI32 = true;
+  static MB_HD constexpr int kat(int i) {
+    int j = 0, r = 0;
+    ((r = j++ == i ? K : r), ...);
+    return r;
+  }
+  struct Strides {
+    int v[kRank];
+    MB_HD int operator[](int i) const { return i >= kRank ? 0 : kat(i) > 0 ? kat(i) : v[i]; }
+  };
+  unsigned char* p;
+  Strides s;
+};
+
+// Offset type of a view's element offsets (the same values either way: see MbCView).
+template <class V>
+using mb_off_t = std::conditional_t<std::decay_t<V>::kI32, int, int64_t>;
 
 MB_DEV float ld1(const MbView& v, int64_t i0) { return rt_ld(v.p, i0 * v.s[0], v.dt); }
 MB_DEV float ld2(const MbView& v, int64_t i0, int64_t i1) {

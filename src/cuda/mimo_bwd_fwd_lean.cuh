@@ -171,9 +171,10 @@ MB_DEV void lean_chunk_angles(const AT& a, const MbLayout& L, float* sm, const M
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), A = a.A, CA = a.C * A;
   const bool pow2 = (A & (A - 1)) == 0;
   const int lgA = pow2 ? mb_lg2(A) : 0;
-  const MbView& v = a.angles;
-  const int64_t s1 = v.s[1], s3 = v.s[3];
-  const int64_t base = k.b * v.s[0] + static_cast<int64_t>(s0) * s1 + k.h * v.s[2];
+  const auto& v = a.angles;
+  using O = mb_off_t<decltype(v)>;
+  const O s1 = v.s[1], s3 = v.s[3];
+  const O base = k.b * v.s[0] + static_cast<O>(s0) * s1 + k.h * v.s[2];
   float* cst = sm + L.ang;
   // A thread's elements in groups of G (4; 1 with 8 state tiles per warp, at their register
   // limit): the group's angle loads first, then the sincosf. Why: one at a time each load
@@ -231,8 +232,9 @@ MB_DEV LeanChunkPre lean_chunk_pre_load(const AT& a, const MbLayout& L, const Mb
   const bool pow2 = (A & (A - 1)) == 0;
   const int t = pow2 ? e >> mb_lg2(A) : e / A, n = e - t * A;
   if (t >= Lc) return r;
-  const MbView& v = a.angles;
-  const int64_t off = k.b * v.s[0] + static_cast<int64_t>(s0 + t) * v.s[1] + k.h * v.s[2] + n * v.s[3];
+  const auto& v = a.angles;
+  using O = mb_off_t<decltype(v)>;
+  const O off = k.b * v.s[0] + static_cast<O>(s0 + t) * v.s[1] + k.h * v.s[2] + n * v.s[3];
   with_dt(v.dt, [&](auto D) { r.ang = mb_ldt<decltype(D)::value>(v.p, off, v.dt); });
   return r;
 }
@@ -269,10 +271,13 @@ MB_DEV void lean_chunk_pre_store(const AT& a, const MbLayout& L, float* sm, cons
 // NT - 1 - e; K3 calls it before lean_scores, whose masked tiles lie on the last warps).
 template <int NT, bool Q, bool X, bool REV = false, class AT>
 MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
+  // The views through the base (MbArgsCT<.., true> keeps its runtime views filled, the same
+  // values): one pointer type for the rows of different tensors.
+  const MbArgs& b = a;
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), R = a.R, lgR = a.lgR, LR = Lc * R;
   const bool hz = X && a.has_z, ro = a.reduce_o;
   const int g_k = LR, g_q = g_k + (Q ? LR : 0), g_v = g_q + Lc, g_z = g_v + (hz ? Lc : 0),
-            g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (a.angles.p ? Lc : 0),
+            g_d = g_z + (X ? (ro ? Lc : LR) : 0), g_a = g_d + (b.angles.p ? Lc : 0),
             g_s = g_a + (X && Lc == a.C ? a.C : 0);
   for (int e = REV ? NT - 1 - mb_tid() : mb_tid(); e < g_s; e += NT) {
     const MbView* v;
@@ -280,15 +285,15 @@ MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
     int cnt;
     if (e < g_q) {  // [B, S, R, G, N]
       const int row = e < g_k ? e : e - g_k, t = row >> lgR, r = row & (R - 1);
-      v = e < g_k ? &a.k : &a.q;
+      v = e < g_k ? &b.k : &b.q;
       off = k.b * v->s[0] + (s0 + t) * v->s[1] + r * v->s[2] + k.g * v->s[3];
       stride = v->s[4], cnt = a.N;
     } else if (e < g_z) {  // v, z [B, S, H, P]
-      v = e < g_v ? &a.v : &a.z;
+      v = e < g_v ? &b.v : &b.z;
       off = k.b * v->s[0] + (s0 + e - (e < g_v ? g_q : g_v)) * v->s[1] + k.h * v->s[2];
       stride = v->s[3], cnt = a.P;
     } else if (e < g_d) {  // dout [B, S, H, P] (reduce-O) or [B, S, R, H, P]
-      const MbView& o = a.dout;
+      const MbView& o = b.dout;
       const int row = e - g_z;
       v = &o, cnt = a.P;
       if (ro) {
@@ -299,10 +304,10 @@ MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
         stride = o.s[4];
       }
     } else if (e < g_a) {  // angles [B, S, H, A]
-      v = &a.angles, cnt = a.A;
+      v = &b.angles, cnt = a.A;
       off = k.b * v->s[0] + (s0 + e - g_d) * v->s[1] + k.h * v->s[2], stride = v->s[3];
     } else {  // segsum [B, H, nch, C, C], row t (lean_chunk_weights reads its s < t)
-      v = &a.segsum, cnt = a.C;
+      v = &b.segsum, cnt = a.C;
       off = k.b * v->s[0] + k.h * v->s[1] + static_cast<int64_t>(c) * v->s[2] + (e - g_a) * v->s[3];
       stride = v->s[4];
     }
@@ -321,8 +326,10 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
   const int CA = a.C * A, ang = L.ang;
   // Pointers at the chunk's first step (this CTA's batch and group); a task adds its step, rank
   // and column offsets. LM > 0 implies unit column strides (constants: fewer live registers).
-  const int64_t ks1 = a.k.s[1], ks2 = a.k.s[2], ksn = LM > 0 ? 1 : a.k.s[4], kh = half * ksn;
-  const int64_t qs1 = a.q.s[1], qs2 = a.q.s[2], qsn = LM > 0 ? 1 : a.q.s[4], qh = half * qsn;
+  using O = mb_off_t<decltype(a.k)>;
+  static_assert(std::is_same_v<O, mb_off_t<decltype(a.q)>>, "q, k: one offset type");
+  const O ks1 = a.k.s[1], ks2 = a.k.s[2], ksn = LM > 0 ? 1 : a.k.s[4], kh = half * ksn;
+  const O qs1 = a.q.s[1], qs2 = a.q.s[2], qsn = LM > 0 ? 1 : a.q.s[4], qh = half * qsn;
   const unsigned short* kc = reinterpret_cast<const unsigned short*>(a.k.p) +
                              (k.b * a.k.s[0] + s0 * ks1 + k.g * a.k.s[3]);
   const unsigned short* qc = reinterpret_cast<const unsigned short*>(a.q.p) +
@@ -330,7 +337,7 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
   const float* kbias = sm + L.kb;
   const float* qbias = sm + L.qb;
   // koff / qoff: the task's element offsets from kc / qc.
-  auto task = [&](int i, int n, int64_t koff, int64_t qoff) {
+  auto task = [&](int i, int n, O koff, O qoff) {
     const int t = i >> lgR, r = i & Rm;
     // The angles first: without the table, sincosf's slow path then runs with few live values.
     float4 cs = make_float4(1.f, 1.f, 1.f, 1.f), sn = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -345,7 +352,8 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
 #pragma unroll 1
         for (int j = 0; j < 4; ++j) {
           float sv, cv;
-          sincosf(ld4(a.angles, k.b, s0 + t, k.h, n + j), &sv, &cv);
+          // (The base's runtime view: ld4 takes an MbView; the same value.)
+          sincosf(ld4(static_cast<const MbArgs&>(a).angles, k.b, s0 + t, k.h, n + j), &sv, &cv);
           if (j == 0) cs.x = cv, sn.x = sv;
           else if (j == 1) cs.y = cv, sn.y = sv;
           else if (j == 2) cs.z = cv, sn.z = sv;
@@ -396,8 +404,8 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
     const int lg = mb_lg2(qd), n = (mb_tid() & (qd - 1)) << 2, step = NT >> lg;
     const int i0 = mb_tid() >> lg;
     if ((step & Rm) == 0) {  // and its rank: the offsets advance by step / R steps
-      const int64_t dk = (step >> lgR) * ks1, dq = (step >> lgR) * qs1;
-      int64_t ko = koff(i0, n), qo = qoff(i0, n);
+      const O dk = (step >> lgR) * ks1, dq = (step >> lgR) * qs1;
+      O ko = koff(i0, n), qo = qoff(i0, n);
       for (int i = i0; i < T; i += step, ko += dk, qo += dq) task(i, n, ko, qo);
     } else {
       for (int i = i0; i < T; i += step) task(i, n, koff(i, n), qoff(i, n));
@@ -446,10 +454,13 @@ MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const Lean
   const int p = (mb_tid() & ((P >> 2) - 1)) << 2;
   const bool hz = a.has_z, ro = a.reduce_o;
   // LM > 0 implies unit column strides.
-  const int64_t vs1 = a.v.s[1], vsp = LM > 0 ? 1 : a.v.s[3];
+  using O = mb_off_t<decltype(a.v)>;
+  static_assert(std::is_same_v<O, mb_off_t<decltype(a.z)>> &&
+                std::is_same_v<O, mb_off_t<decltype(a.dout)>>, "v, z, dout: one offset type");
+  const O vs1 = a.v.s[1], vsp = LM > 0 ? 1 : a.v.s[3];
   const unsigned short* vc = reinterpret_cast<const unsigned short*>(a.v.p) +
                              (k.b * a.v.s[0] + s0 * vs1 + k.h * a.v.s[2] + p * vsp);
-  int64_t zs1 = 0, zsp = 0, ds1 = 0, dsr = 0, dsp = 0;
+  O zs1 = 0, zsp = 0, ds1 = 0, dsr = 0, dsp = 0;
   const unsigned short* zc = nullptr;
   const unsigned short* dc = nullptr;
   if (X) {
@@ -458,7 +469,7 @@ MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const Lean
       zc = reinterpret_cast<const unsigned short*>(a.z.p) +
            (k.b * a.z.s[0] + s0 * zs1 + k.h * a.z.s[2] + p * zsp);
     }
-    const MbView& o = a.dout;
+    const auto& o = a.dout;
     ds1 = o.s[1];
     if (ro) {  // [B, S, H, P]
       dsp = LM > 0 ? 1 : o.s[3];
@@ -519,9 +530,10 @@ template <int NT, bool REV = false, int G = 4, class AT>
 MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
   const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C), CC = C * C;
   const bool partial = a.S - s0 < C;
-  const MbView& v = a.segsum;
-  const int64_t s3 = v.s[3], s4 = v.s[4];
-  const int64_t base = k.b * v.s[0] + k.h * v.s[1] + static_cast<int64_t>(c) * v.s[2];
+  const auto& v = a.segsum;
+  using O = mb_off_t<decltype(v)>;
+  const O s3 = v.s[3], s4 = v.s[4];
+  const O base = k.b * v.s[0] + k.h * v.s[1] + static_cast<O>(c) * v.s[2];
   const int u = REV ? NT - 1 - mb_tid() : mb_tid();
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
@@ -601,9 +613,10 @@ MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTil
   const int N = a.N, ldT = tt.ldT;
   const int lane = mb_tid() & 31, g = lane >> 2, q = lane & 3;
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
-  const MbView& o = a.qk_dot;
-  const int64_t os2 = o.s[2], os3 = o.s[3], os4 = o.s[4];
-  const int64_t obase = k.b * o.s[0] + k.h * o.s[1] + static_cast<int64_t>(s0) * os2;
+  const auto& o = a.qk_dot;
+  using O = mb_off_t<decltype(o)>;
+  const O os2 = o.s[2], os3 = o.s[3], os4 = o.s[4];
+  const O obase = k.b * o.s[0] + k.h * o.s[1] + static_cast<O>(s0) * os2;
   const float* W = sm + L.W;
   const float* gamma = sm + L.gamma;
   for (int j = mb_tid() >> 5; j < nt * nt; j += NT / 32) {
@@ -852,10 +865,12 @@ MB_DEV void lean_epilogue_r(const AT& a, const MbLayout& L, float* sm, const MbC
   const float* mo = sm + L.mo + p;
   const float nwp = hn ? sm[L.nw + p] : 1.f;
   // Output offsets at the chunk's first step (column p); a step adds t (dz) or i (dout_pre).
-  const MbView& oz = a.dz;
-  const MbView& op = a.dout_pre;
-  const int64_t zs1 = oz.s[1], ps2 = op.s[2];
-  const int64_t zbase = hz ? k.b * oz.s[0] + s0 * zs1 + k.h * oz.s[2] + p * oz.s[3] : 0;
+  const auto& oz = a.dz;
+  const auto& op = a.dout_pre;
+  using OZ = mb_off_t<decltype(oz)>;
+  const OZ zs1 = oz.s[1];
+  const int64_t ps2 = op.s[2];
+  const OZ zbase = hz ? k.b * oz.s[0] + s0 * zs1 + k.h * oz.s[2] + p * oz.s[3] : 0;
   const int64_t pbase =
       hn ? k.b * op.s[0] + k.h * op.s[1] + static_cast<int64_t>(s0) * R * ps2 + p * op.s[3] : 0;
   const float* Y = sm + L.Y;
@@ -924,9 +939,10 @@ MB_DEV void lean_epilogue_gate_r(const AT& a, const MbLayout& L, float* sm, cons
 #pragma unroll
   for (int r = 0; r < R; ++r) mzr[r] = sm[L.mz + r * P + p], mor[r] = sm[L.mo + r * P + p];
   // Running offsets (integer only): the dz element, the staged rows' element, Y's row (t, 0).
-  const MbView& oz = a.dz;
-  const int64_t zs1 = oz.s[1], zstep = tstep * zs1;
-  int64_t zo = k.b * oz.s[0] + (s0 + t0) * zs1 + k.h * oz.s[2] + p * oz.s[3];
+  const auto& oz = a.dz;
+  using O = mb_off_t<decltype(oz)>;
+  const O zs1 = oz.s[1], zstep = tstep * zs1;
+  O zo = k.b * oz.s[0] + (s0 + t0) * zs1 + k.h * oz.s[2] + p * oz.s[3];
   const int sstep = tstep * P, ystep = tstep * R * LP;
   int e = t0 * P + p;
   const float* Yt = sm + L.Y + t0 * R * LP + p;
@@ -1106,16 +1122,17 @@ MB_DEV void lean_state_foreach(const AT& a, const LeanState<ST>& s, F f) {
 template <int NT, int ST, class AT>
 MB_DEV void lean_state_out(const AT& a, const LeanTiles& tt, const MbCta& k, int c,
                            const LeanState<ST>& s) {
-  const MbView& o = a.states;
-  const int64_t sn = o.s[3], sp = o.s[4];
-  const int64_t base = k.b * o.s[0] + k.h * o.s[1] + static_cast<int64_t>(c) * o.s[2];
+  const auto& o = a.states;
+  using O = mb_off_t<decltype(o)>;
+  const O sn = o.s[3], sp = o.s[4];
+  const O base = k.b * o.s[0] + k.h * o.s[1] + static_cast<O>(c) * o.s[2];
   const int ldP = tt.ldP;
   const bool v2 = a.states_vec4;
   with_dt(o.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
     lean_state_foreach<NT>(a, s, [&](int n, int p, float v0, float v1) {
       st_split2f(tt.St.h, tt.St.plane, n * ldP + p, v0, v1);
-      const int64_t off = base + n * sn;
+      const O off = base + n * sn;
       if (v2) {
         st2_t<DT>(o.p, off + p, v0, v1);
       } else {

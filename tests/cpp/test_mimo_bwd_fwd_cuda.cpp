@@ -189,7 +189,8 @@ struct MimoOperands {
   bool reduce, z, norm;
   std::vector<Buffer> in, out;
   MimoOperands(int64_t B_, int64_t S_, int64_t H_, int64_t G_, int64_t N_, int64_t P_, int64_t R_,
-               int64_t C_, bool reduce_, bool z_, bool norm_, IoType act, IoType od, uint64_t seed)
+               int64_t C_, bool reduce_, bool z_, bool norm_, IoType act, IoType od, uint64_t seed,
+               IoType trap_t = IoType::F32)
       : B(B_), S(S_), H(H_), G(G_), N(N_), P(P_), R(R_), C(C_), reduce(reduce_), z(z_),
         norm(norm_) {
     std::mt19937_64 rng(seed);
@@ -208,7 +209,7 @@ struct MimoOperands {
     in.push_back(rand_buf(rng, F, {B, H, S}, -2, 0));                          // da_cs
     in.push_back(rand_buf(rng, F, {B, H, S}, -2, 0));                          // da_cs_rev
     in.push_back(rand_buf(rng, F, {B, H, S}, 0.05, 0.6));                      // dt
-    in.push_back(rand_buf(rng, F, {B, H, S}, -2, 2));                          // trap
+    in.push_back(rand_buf(rng, trap_t, {B, H, S}, -2, 2));                     // trap
     in.push_back(rand_buf(rng, F, {B, H, nch, C, C}, -2, 0));                  // segsum
     in.push_back(z ? rand_buf(rng, F, {H, R, P}, -1.5, 1.5) : Buffer());       // mimo_z
     in.push_back(rand_buf(rng, F, {H}, -1, 1));                                // d
@@ -340,6 +341,26 @@ TEST(MimoBwdFwdCuda, SpecializedKernelsGiveIdenticalBits) {
         EXPECT_TRUE(spec[j] == gen[j]) << "output " << j << " differs at N" << s[0] << " P"
                                        << s[1] << " R" << s[2] << " C" << s[3] << " reduce "
                                        << v.reduce << " z " << v.z << " norm " << v.norm;
+    }
+  }
+  // The benchmark's bwd_fwd operands (bench/bench_mimo_bwd.py: bf16 activations, outputs and
+  // trap, fp32 parameters and decays, reduce-O with Z and D, no norm, contiguous), which take
+  // the K3 and K1 specialised to the contiguous layouts too (MbArgsCT<.., true>; K1 where the
+  // plan has segments): their bits equal the shape-only copies' (MAMBA3_MIMO_CT_LAYOUT=0) and
+  // the generic kernels' (MAMBA3_MIMO_SPECIALIZED=0).
+  for (const auto& s : shapes) {
+    MimoOperands op(2, 150, 2, 1, s[0], s[1], s[2], s[3], true, true, false, IoType::BF16,
+                    IoType::BF16, 191 + k++, IoType::BF16);
+    MimoDevice dev(op, false);
+    const auto [ct, shape_only] = results_default_and_switched_off(dev, "MAMBA3_MIMO_CT_LAYOUT");
+    const auto [ct2, gen] = results_default_and_switched_off(dev, "MAMBA3_MIMO_SPECIALIZED");
+    for (size_t j = 0; j < ct.size(); ++j) {
+      EXPECT_TRUE(ct[j] == shape_only[j]) << "output " << j << " differs (contiguous-layout K3 vs "
+                                          << "shape-only) at N" << s[0] << " P" << s[1] << " R"
+                                          << s[2] << " C" << s[3];
+      EXPECT_TRUE(ct2[j] == gen[j]) << "output " << j << " differs (contiguous-layout K3 vs "
+                                    << "generic) at N" << s[0] << " P" << s[1] << " R" << s[2]
+                                    << " C" << s[3];
     }
   }
 #endif

@@ -32,6 +32,7 @@
 #include "cta_emulator.hpp"
 #include "cuda/mimo_bwd_fwd_kernels.cuh"
 #include "cuda/mimo_bwd_fwd_lean.cuh"
+#include "cuda/mimo_bwd_fwd_lean_specialized.cuh"
 #include "host_operands.hpp"
 #include "mamba3/mamba3.h"
 #include "mamba3_golden/host.hpp"
@@ -69,6 +70,25 @@ Body lean_body(bool k1, int nt, int st) {
   return nt == 256 ? lean_nt<256>(k1, st) : lean_nt<512>(k1, st);
 }
 
+// K3 (K1 if K1) specialised to shape (N, P, R, C) and the benchmark's contiguous layouts
+// (MbArgsCT<.., true>, as mimo_bwd_fwd_specialized_{c,d}.cu's kernels), at the plan's NT, ST.
+template <bool K1, int N, int P, int R, int C>
+void lean_ct_layout(const mimo::MbArgs& a, float* sm) {
+  constexpr int NT = mimo::lean_nt_rule(N), ST = mimo::lean_state_tiles(N, P, NT);
+  mimo::MbArgsCT<N, P, R, C, true> c;
+  c.set(a);
+  if constexpr (K1) mimo::k1_lean_body<NT, ST>(c, sm);
+  else mimo::k3_lean_body<NT, ST>(c, sm);
+}
+// The shapes the bits test runs (nullptr for any other).
+Body lean_body_ct_layout(bool k1, const mimo::MbArgs& a) {
+  if (a.N == 128 && a.P == 64 && a.R == 4 && a.C == 16)
+    return k1 ? lean_ct_layout<true, 128, 64, 4, 16> : lean_ct_layout<false, 128, 64, 4, 16>;
+  if (a.N == 16 && a.P == 64 && a.R == 4 && a.C == 8)
+    return k1 ? lean_ct_layout<true, 16, 64, 4, 8> : lean_ct_layout<false, 16, 64, 4, 8>;
+  return nullptr;
+}
+
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // One launch of a body with `bytes` of dynamic shared memory, NaN-filled before every CTA.
@@ -80,7 +100,9 @@ void launch_smem(int64_t grid, int nt, size_t bytes, Body body, const mimo::MbAr
 }
 
 // Runs the kernels exactly as src/cuda/mimo_bwd_fwd.cu's mimo_bwd_fwd launches them (lean path).
-void emulate(const mamba3::MimoBwdFwdParams& p, const mimo::MbPlan& pl) {
+// ct_layout: K1 and K3 are the copies specialised to the shape and the contiguous layouts (which
+// must apply: lean_ct_layout_ok and a compiled shape at the plan's thread count and state tiles).
+void emulate(const mamba3::MimoBwdFwdParams& p, const mimo::MbPlan& pl, bool ct_layout = false) {
   std::vector<float> ws(pl.ws_total / sizeof(float) + 1, kNaN);
   mimo::MbArgs a{};
   mimo::mb_set_tensors(p, &a);
@@ -96,12 +118,22 @@ void emulate(const mamba3::MimoBwdFwdParams& p, const mimo::MbPlan& pl) {
   }
 
   const int64_t BH = p.B * p.H;
+  const Body k1 = ct_layout ? lean_body_ct_layout(true, a) : lean_body(true, pl.nt, pl.lean);
   if (pl.nseg > 1) {
-    launch_smem(BH * pl.npt * pl.nsub, pl.nt, pl.smem1, lean_body(true, pl.nt, pl.lean), a);
+    ASSERT_NE(k1, nullptr);
+    launch_smem(BH * pl.npt * pl.nsub, pl.nt, pl.smem1, k1, a);
     const int64_t per_bh = (p.N * p.P + mimo::kNT - 1) / mimo::kNT;
     emu::launch(BH * per_bh, mimo::kNT, [&] { mimo::k2_body(a); });
   }
-  launch_smem(BH * pl.npt * pl.nseg, pl.nt, pl.smem3, lean_body(false, pl.nt, pl.lean), a);
+  Body k3 = lean_body(false, pl.nt, pl.lean);
+  if (ct_layout) {
+    ASSERT_TRUE(mimo::lean_ct_layout_ok(a)) << "operands outside the contiguous-layout K3";
+    k3 = lean_body_ct_layout(false, a);
+    ASSERT_NE(k3, nullptr) << "no contiguous-layout K3 in this test for the shape";
+    ASSERT_EQ(pl.nt, mimo::lean_nt_rule(p.N));
+    ASSERT_EQ(pl.lean, mimo::lean_state_tiles(p.N, p.P, pl.nt));
+  }
+  launch_smem(BH * pl.npt * pl.nseg, pl.nt, pl.smem3, k3, a);
   if (pl.defer_epi)
     launch_smem(BH * pl.nseg, mimo::kNT, pl.smem5,
                 [](const mimo::MbArgs& args, float* sm) { mimo::k5_body(args, sm); }, a);
@@ -126,6 +158,10 @@ struct Shape {
   int want_st = 0;    // expected state tiles per warp (0: any)
   bool want_segments = false;  // expect nseg > 1 (K1 and K2 run)
   int want_defer = -1;         // expect the epilogue's exchange deferred (1) or not (0)
+  // The benchmark's operands (bf16 trap, the other decays fp32 with decay = F32): also run K3's
+  // contiguous-layout copy (MbArgsCT<.., true>) and require its outputs bitwise equal to the
+  // generic kernel's.
+  bool ct_bits = false;
 };
 
 std::string describe(const Shape& s) {
@@ -211,7 +247,7 @@ void check_case(const Shape& s, uint64_t seed) {
   in.push_back(from({B, H, S}, dacs));                                          // da_cs
   in.push_back(from({B, H, S}, rev));                                           // da_cs_rev
   in.push_back(s.pad > 0 ? dt.padded(s.pad) : dt);                              // dt
-  in.push_back(rand_buf(rng, s.decay, {B, H, S}, -2, 2, s.pad));                // trap
+  in.push_back(rand_buf(rng, s.ct_bits ? BF : s.decay, {B, H, S}, -2, 2, s.pad));  // trap
   in.push_back(from({B, H, nch, C, C}, seg));                                   // segsum
   in.push_back(s.z ? rand_buf(rng, F, {H, R, P}, -1.5, 1.5, s.pad) : Buffer());  // mimo_z
   in.push_back(s.d ? rand_buf(rng, F, {H}, -1, 1, s.pad) : Buffer());           // d
@@ -280,6 +316,20 @@ void check_case(const Shape& s, uint64_t seed) {
   EXPECT_EQ(mimo::mb_problem(p).lean_vec, s.pad % 2 == 0);
   EXPECT_EQ(mimo::mb_problem(p).lean_vec4, s.pad % 4 == 0);
   emulate(p, pl);
+  if (s.ct_bits) {
+    // The same operands through the contiguous-layout K1 and K3: every output byte equal.
+    std::vector<Buffer> ct = outputs();
+    for (size_t i = 0; i < ct.size(); ++i) *outs[i] = view_of(ct[i]);
+    emulate(p, pl, true);
+    for (size_t i = 0; i < got.size(); ++i) *outs[i] = view_of(got[i]);
+    for (size_t k = 0; k < got.size(); ++k) {
+      if (got[k].shape.empty()) continue;
+      size_t diff = 0;
+      for (size_t i = 0; i < got[k].bytes.size(); ++i) diff += got[k].bytes[i] != ct[k].bytes[i];
+      EXPECT_EQ(diff, 0u) << kNames[k] << ": bytes differ between the generic and the "
+                          << "contiguous-layout K1 / K3";
+    }
+  }
 
   // Against the CPU backend: bf16 outputs within bf16 rounding, fp32 outputs to the products'
   // ~2^-16 (hi + lo split operands).
@@ -426,6 +476,23 @@ TEST(MimoBwdFwdEmulated, ExchangeDeferredOrNot) {
     s.sms = 1, s.want_defer = d.defer;
     check_case(s, 81 + d.R + d.norm);
   }
+}
+
+// The lean K3 and K1 specialised to the benchmark's contiguous layouts and dtypes (MbArgsCT<.., true>:
+// bf16 q, k, v, z, dout and outputs, fp32 angles, segsum, da_cs, dt, bf16 trap; reduce-O with the
+// gate and D, no norm) gives the generic kernel's bits, at the benchmark's N128 P64 R4 C16 (in
+// one segment and in the plan's segments) and at a C = 8 shape (N16 P64 R4 C8, 256 threads),
+// with a partial last chunk. The GPU check: MimoBwdFwdCuda.SpecializedKernelsGiveIdenticalBits.
+TEST(MimoBwdFwdEmulated, ContiguousLayoutKernelsGiveIdenticalBits) {
+  for (int sms : {1, 132}) {
+    Shape s{1, 37, 1, 1, 128, 64, 4, 16, 4, true, true, true, false, 0, kF, kBF, 512};
+    s.sms = sms, s.want_st = 2, s.ct_bits = true;
+    s.want_segments = sms > 1;  // K1 runs
+    check_case(s, 91 + sms);
+  }
+  Shape c8{1, 21, 2, 1, 16, 64, 4, 8, 4, true, true, true, false, 0, kF, kBF, 256};
+  c8.ct_bits = true;
+  check_case(c8, 95);
 }
 
 }  // namespace

@@ -1,0 +1,22 @@
+// The lean K1 of the first pass specialised to a shape of SPEC.md's grid and to the benchmark's
+// contiguous layouts and dtypes (MbArgsCT<.., true>; see mimo_bwd_fwd_lean_specialized.cuh).
+// Its own translation unit so that no TU compiles much longer than before.
+#include "cuda/mimo_bwd_fwd_lean_specialized.cuh"
+
+namespace mamba3::cuda::mimo {
+
+bool lean_specialized_layout_k1(const MbArgs& a, int nt, int st, LeanLaunch* k1) {
+  // The shapes of mimo_bwd_fwd_specialized_{a,b}.cu (not (128, 64, 1, 64): see there).
+  return lean_specialized_layout_shape<16, 64, 4, 8, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<32, 64, 4, 16, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<64, 64, 4, 16, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<128, 64, 4, 16, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<256, 64, 4, 8, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<64, 128, 4, 16, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<128, 32, 4, 16, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<128, 128, 4, 8, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<128, 64, 8, 8, true>(a, nt, st, k1) ||
+         lean_specialized_layout_shape<128, 64, 2, 32, true>(a, nt, st, k1);
+}
+
+}  // namespace mamba3::cuda::mimo
