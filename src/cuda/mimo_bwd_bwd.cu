@@ -61,9 +61,9 @@ __global__ void __launch_bounds__(kThreads) bb_reduce_kernel(const __grid_consta
 // runs the generic kernels. MAMBA3_BB_SPECIALIZED=0 forces the generic ones for both.
 using bb::ArgsCT;
 
-// CL: also specialised to the contiguous layouts and the benchmark's dtypes (ArgsCT<.., true>,
-// when bb::ct_layout_ok).
-template <int N, int P, int R, int C, bool CL>
+// CL: also specialised to the contiguous layouts and dtypes of one operand set (bb::CtSet:
+// ArgsCT<.., bb::kCtBwdBwd> or <.., bb::kCtCombined>, when bb::ct_layout_ok for it).
+template <int N, int P, int R, int C, int CL>
 __global__ void __launch_bounds__(bb::kPlanesThreads, 1)
     bb_chunk_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
   extern __shared__ __align__(16) unsigned char planes_smem[];
@@ -120,18 +120,28 @@ PlanesKernels planes_ct(bb::K3Kind kind) {
           }};
   if (kind == bb::K3Kind::kShapeLayout)
     return {k1,
-            {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C, true>),
+            {reinterpret_cast<const void*>(
+                 bb_chunk_planes_ct_kernel<N, P, R, C, bb::kCtBwdBwd>),
              [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
-               ArgsCT<N, P, R, C, true> s;
+               ArgsCT<N, P, R, C, bb::kCtBwdBwd> s;
                s.set(a);
-               bb_chunk_planes_ct_kernel<N, P, R, C, true><<<grid, nt, smem, st>>>(s);
+               bb_chunk_planes_ct_kernel<N, P, R, C, bb::kCtBwdBwd><<<grid, nt, smem, st>>>(s);
+             }}};
+  if (kind == bb::K3Kind::kShapeLayoutCombined)
+    return {k1,
+            {reinterpret_cast<const void*>(
+                 bb_chunk_planes_ct_kernel<N, P, R, C, bb::kCtCombined>),
+             [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+               ArgsCT<N, P, R, C, bb::kCtCombined> s;
+               s.set(a);
+               bb_chunk_planes_ct_kernel<N, P, R, C, bb::kCtCombined><<<grid, nt, smem, st>>>(s);
              }}};
   return {k1,
-          {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C, false>),
+          {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C, bb::kCtShape>),
            [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
              ArgsCT<N, P, R, C> s;
              static_cast<Args&>(s) = a;
-             bb_chunk_planes_ct_kernel<N, P, R, C, false><<<grid, nt, smem, st>>>(s);
+             bb_chunk_planes_ct_kernel<N, P, R, C, bb::kCtShape><<<grid, nt, smem, st>>>(s);
            }}};
 }
 
