@@ -987,7 +987,7 @@ struct ArgsCT<N_, P_, R_, C_, kCtCombined>
     : ArgsLayoutCT<N_, P_, R_, C_, kCtF32, kCtF32, 1> {};
 
 // SPEC.md section 4's grid (N, P, R, C), rotary_dim_divisor 4 (A = N / 4): the shapes that have
-// specialised planes kernels (mimo_bwd_bwd.cu instantiates them from this list).
+// specialised planes kernels (mimo_bwd_bwd_ct_{shape,bb,cb}.cu instantiate them from this list).
 #define MAMBA3_BB_CT_SHAPES(X) \
   X(16, 64, 4, 8)              \
   X(32, 64, 4, 16)             \
