@@ -80,21 +80,21 @@ PlanesKernel generic_k3() {
           }};
 }
 
-// The kernels bb::k3_kind picks, K1 specialised with K3's shape (MAMBA3_BB_SPECIALIZED=0
-// forces the generic ones for both; K1 is generic at N16, see bb::ct_k1_entry).
+// The kernels bb::k3_kind picks, K1 of the same kind (MAMBA3_BB_SPECIALIZED=0 forces the
+// generic ones for both; K1 is generic at N16, see bb::ct_k1_entry).
 PlanesKernels planes_kernels(const Args& a) {
   PlanesKernels pk{generic_k1(), generic_k3()}, ct;
   switch (bb::k3_kind(a)) {
     case bb::K3Kind::kGeneric:
       return pk;
     case bb::K3Kind::kShape:
-      ct = {bb::ct_k1(a), bb::ct_k3_shape(a)};
+      ct = {bb::ct_k1_shape(a), bb::ct_k3_shape(a)};
       break;
     case bb::K3Kind::kShapeLayout:
-      ct = {bb::ct_k1(a), bb::ct_k3_bwd_bwd(a)};
+      ct = {bb::ct_k1_bwd_bwd(a), bb::ct_k3_bwd_bwd(a)};
       break;
     case bb::K3Kind::kShapeLayoutCombined:
-      ct = {bb::ct_k1(a), bb::ct_k3_combined(a)};
+      ct = {bb::ct_k1_combined(a), bb::ct_k3_combined(a)};
       break;
   }
   if (ct.k1.kernel) pk.k1 = ct.k1;

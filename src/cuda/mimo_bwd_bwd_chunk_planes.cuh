@@ -867,7 +867,7 @@ BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
   // q_bias with its dtype dispatched once (K1 has no shared memory to spare for staging it).
   with_dtype(a.q_bias.dt, [&](auto btag) {
     using TB = typename decltype(btag)::type;
-    const View& qb = a.q_bias;
+    const auto& qb = a.q_bias;
     const int64_t sb = qb.s[2], b0 = int64_t{h} * qb.s[0], hs = a.half * sb;
     const RotSrc<std::decay_t<decltype(a.q)>> src[1] = {{&a.q, a.vec_q, EQ}};
     rotated_pair_rows<NT, 2>(
@@ -912,9 +912,10 @@ struct ArgsShapeCT : Args {
                        lgtT = ct_lg2(C_ * R_ / 16);
 };
 
-// CL (the planes K3 only): also the layouts and dtypes of one caller's operands, every tensor
-// K3 reads or writes contiguous, of at most 2^30 elements, in the dtypes of the set; reduce-O
-// dout, the pair / quad loads and stores on (aligned). The sets (CtSet, ct_layout_ok):
+// CL: also the layouts and dtypes of one caller's operands, every tensor K3 (and so K1, which
+// reads a subset) reads or writes contiguous, of at most 2^30 elements, in the dtypes of the
+// set; reduce-O dout, the pair / quad loads and stores on (aligned). The sets (CtSet,
+// ct_layout_ok):
 //   kCtBwdBwd    the benchmark's second pass (bench/bench_mimo_bwd.py's bwd_bwd op): bf16
 //                states, qk_dot, dq, dk; no gate.
 //   kCtCombined  the combined backward's (mimo_bwd_combined.cu with z, no norm: its bench op):

@@ -80,30 +80,34 @@ bb::CtSet ct_set(const bb::Args& a) {
                                                 : bb::kCtShape;
 }
 
-// The specialised K3 of operand set CL on a (as mimo_bwd_bwd.cu's launch).
+// The specialised K1 (k1) or K3 of operand set CL on a (as bb::ct_k1_entry / ct_k3_entry).
 template <int N, int P, int R, int C, int CL>
-void launch_planes_cl(const bb::Args& a, int64_t grid, unsigned char* smem) {
+void launch_planes_cl(const bb::Args& a, int64_t grid, unsigned char* smem, bool k1) {
   auto s = std::make_unique<bb::ArgsCT<N, P, R, C, CL>>();
   if constexpr (CL == bb::kCtShape)
     static_cast<bb::Args&>(*s) = a;
   else
     s->set(a);
-  launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(*s, smem); });
+  if (k1)
+    launch(grid, bb::kIncPlanesThreads, [&] { bb::increment_planes_body(*s, smem); });
+  else
+    launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(*s, smem); });
 }
 
-// Runs K3 specialised to (N, P, R, C) when a has that shape (rotary divisor 4, as the device
-// kernels), and to the contiguous layouts of the operand set a meets unless shape_only (as
-// mimo_bwd_bwd.cu picks: bb::k3_kind); false otherwise.
+// Runs K1 (k1) or K3 specialised to (N, P, R, C) when a has that shape (rotary divisor 4, as
+// the device kernels), and to the contiguous layouts of the operand set a meets unless
+// shape_only (as mimo_bwd_bwd.cu picks: bb::k3_kind); false otherwise.
 template <int N, int P, int R, int C>
-bool launch_planes_ct(const bb::Args& a, int64_t grid, unsigned char* smem, bool shape_only) {
+bool launch_planes_ct(const bb::Args& a, int64_t grid, unsigned char* smem, bool shape_only,
+                      bool k1 = false) {
   if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4) return false;
   const bb::CtSet set = shape_only ? bb::kCtShape : ct_set(a);
   if (set == bb::kCtBwdBwd)
-    launch_planes_cl<N, P, R, C, bb::kCtBwdBwd>(a, grid, smem);
+    launch_planes_cl<N, P, R, C, bb::kCtBwdBwd>(a, grid, smem, k1);
   else if (set == bb::kCtCombined)
-    launch_planes_cl<N, P, R, C, bb::kCtCombined>(a, grid, smem);
+    launch_planes_cl<N, P, R, C, bb::kCtCombined>(a, grid, smem, k1);
   else
-    launch_planes_cl<N, P, R, C, bb::kCtShape>(a, grid, smem);
+    launch_planes_cl<N, P, R, C, bb::kCtShape>(a, grid, smem, k1);
   return true;
 }
 
@@ -125,8 +129,17 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
       (k3 == K3::PlanesCT || k3 == K3::PlanesCTL || k3 == K3::PlanesCTShape) && !scalar_loads;
   if (pl.grid1 > 0 && pl.planes) {
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
-    launch(pl.grid1, bb::kIncPlanesThreads,
-           [&] { bb::increment_planes_body(a, smem.data()); });
+    // K1 specialised with K3 (as mimo_bwd_bwd.cu: the test's shapes are not N16).
+    if (spec) {
+      const bool shape_only = k3 == K3::PlanesCTShape;
+      unsigned char* sm = smem.data();
+      ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, pl.grid1, sm, shape_only, true) ||
+                   launch_planes_ct<256, 64, 4, 8>(a, pl.grid1, sm, shape_only, true)))
+          << "no specialised K1 of this shape in the test";
+    } else {
+      launch(pl.grid1, bb::kIncPlanesThreads,
+             [&] { bb::increment_planes_body(a, smem.data()); });
+    }
   } else if (pl.grid1 > 0) {
     std::vector<float> smem(pl.smem1 / sizeof(float), std::numeric_limits<float>::quiet_NaN());
     launch(pl.grid1, bb::kThreads, [&] { bb::increment_body(a, smem.data()); });
