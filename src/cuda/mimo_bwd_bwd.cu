@@ -9,6 +9,7 @@
 #include "cuda/common.cuh"
 #include "cuda/mimo_bwd.hpp"
 #include "cuda/mimo_bwd_bwd_chunk_planes.cuh"
+#include "cuda/mimo_bwd_bwd_ct.cuh"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
 
 namespace mamba3::cuda {
@@ -56,37 +57,11 @@ __global__ void __launch_bounds__(kThreads) bb_reduce_kernel(const __grid_consta
 }
 
 // ---- The planes K1 and K3 specialised to one shape (bb::ArgsCT, in
-// mimo_bwd_bwd_chunk_planes.cuh so that the host-emulated tests run the same bodies).
-// Compiled for the shapes of SPEC.md's benchmark grid only (planes_kernels); every other shape
-// runs the generic kernels. MAMBA3_BB_SPECIALIZED=0 forces the generic ones for both.
-using bb::ArgsCT;
-
-// CL: also specialised to the contiguous layouts and the benchmark's dtypes (ArgsCT<.., true>,
-// when bb::ct_layout_ok).
-template <int N, int P, int R, int C, bool CL>
-__global__ void __launch_bounds__(bb::kPlanesThreads, 1)
-    bb_chunk_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
-  extern __shared__ __align__(16) unsigned char planes_smem[];
-  bb::chunk_planes_body(a, planes_smem);
-}
-
-// K1 specialised: 3 CTAs per SM (<= 85 registers; ptxas: 55-72 at the grid's shapes, no
-// spills), for every grid shape but N16 (planes_ct). At the generic kernel's 4 (64 registers) the specialised copies spilled 24-216
-// bytes in session 10 (the folded shapes unroll more and keep more values live; the unrolled
-// rank loop of rotated_pair_rows, since rolled, was one cause at R = 8).
-template <int N, int P, int R, int C>
-__global__ void __launch_bounds__(bb::kIncPlanesThreads, 3)
-    bb_increment_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C> a) {
-  extern __shared__ __align__(16) unsigned char inc_planes_smem[];
-  bb::increment_planes_body(a, inc_planes_smem);
-}
-
-// A planes kernel of one shape: the kernel (for its shared-memory attribute) and its launch
-// (the same parameter block, passed as the kernel's type).
-struct PlanesKernel {
-  const void* kernel;
-  void (*launch)(const Args&, unsigned grid, int nthreads, int smem, cudaStream_t st);
-};
+// mimo_bwd_bwd_chunk_planes.cuh so that the host-emulated tests run the same bodies), compiled
+// in mimo_bwd_bwd_ct_{shape,bb,cb}.cu (mimo_bwd_bwd_ct.cuh) for the shapes of SPEC.md's
+// benchmark grid only; every other shape runs the generic kernels. MAMBA3_BB_SPECIALIZED=0
+// forces the generic ones for both.
+using bb::PlanesKernel;
 struct PlanesKernels {
   PlanesKernel k1, k3;
 };
@@ -105,48 +80,26 @@ PlanesKernel generic_k3() {
           }};
 }
 
-// K1 keeps the generic kernel at N16 P64 R4 C8: specialised (3 CTAs per SM) it measured slower
-// there on the H200 (0.195 -> 0.217 ms; N128 0.297 -> 0.249, R1 C64 0.107 -> 0.085, N32 0.159
-// -> 0.136).
-template <int N, int P, int R, int C>
-PlanesKernels planes_ct(bb::K3Kind kind) {
-  PlanesKernel k1 = generic_k1();
-  if constexpr (N != 16)
-    k1 = {reinterpret_cast<const void*>(bb_increment_planes_ct_kernel<N, P, R, C>),
-          [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
-            ArgsCT<N, P, R, C> s;
-            static_cast<Args&>(s) = a;
-            bb_increment_planes_ct_kernel<N, P, R, C><<<grid, nt, smem, st>>>(s);
-          }};
-  if (kind == bb::K3Kind::kShapeLayout)
-    return {k1,
-            {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C, true>),
-             [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
-               ArgsCT<N, P, R, C, true> s;
-               s.set(a);
-               bb_chunk_planes_ct_kernel<N, P, R, C, true><<<grid, nt, smem, st>>>(s);
-             }}};
-  return {k1,
-          {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C, false>),
-           [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
-             ArgsCT<N, P, R, C> s;
-             static_cast<Args&>(s) = a;
-             bb_chunk_planes_ct_kernel<N, P, R, C, false><<<grid, nt, smem, st>>>(s);
-           }}};
-}
-
-// The kernels bb::k3_kind picks (K1 specialised with K3's shape; MAMBA3_BB_SPECIALIZED=0 forces
-// the generic ones for both).
+// The kernels bb::k3_kind picks, K1 of the same kind (MAMBA3_BB_SPECIALIZED=0 forces the
+// generic ones for both; K1 is generic at N16, see bb::ct_k1_entry).
 PlanesKernels planes_kernels(const Args& a) {
-  const bb::K3Kind kind = bb::k3_kind(a);
-  if (kind != bb::K3Kind::kGeneric) {
-#define MAMBA3_BB_CT(n, p, r, c)                                      \
-  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
-    return planes_ct<n, p, r, c>(kind);
-    MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT)
-#undef MAMBA3_BB_CT
+  PlanesKernels pk{generic_k1(), generic_k3()}, ct;
+  switch (bb::k3_kind(a)) {
+    case bb::K3Kind::kGeneric:
+      return pk;
+    case bb::K3Kind::kShape:
+      ct = {bb::ct_k1_shape(a), bb::ct_k3_shape(a)};
+      break;
+    case bb::K3Kind::kShapeLayout:
+      ct = {bb::ct_k1_bwd_bwd(a), bb::ct_k3_bwd_bwd(a)};
+      break;
+    case bb::K3Kind::kShapeLayoutCombined:
+      ct = {bb::ct_k1_combined(a), bb::ct_k3_combined(a)};
+      break;
   }
-  return {generic_k1(), generic_k3()};
+  if (ct.k1.kernel) pk.k1 = ct.k1;
+  if (ct.k3.kernel) pk.k3 = ct.k3;
+  return pk;
 }
 
 }  // namespace

@@ -439,8 +439,7 @@ BB_DEV float2 rank_weights(const V& w, int h, int r, int pc) {
 // z_gate of columns (pc, pc + 1) of step t, given their mimo_z pair mz (the row's rank).
 template <class AT>
 BB_DEV float2 z_gate2(const AT& a, int b, int t, int h, int pc, float2 mz) {
-  const int64_t o = int64_t{b} * a.z.s[0] + int64_t{t} * a.z.s[1] + int64_t{h} * a.z.s[2] +
-                    int64_t{pc} * a.z.s[3];
+  const int64_t o = o4(a.z, b, t, h, pc);  // (32-bit with a CView z: ArgsCT<.., kCtCombined>)
   const float2 z = a.bf16_z_pairs ? ld2_t<bf16_t>(a.z, o, 1, true)
                                   : make_float2(ld(a.z, o), ld(a.z, o + a.z.s[3]));
   return make_float2(silu_f(z.x * mz.x), silu_f(z.y * mz.y));
@@ -525,7 +524,7 @@ BB_DEV void prefetch_item(const AT& a, int64_t item) {
       mb_prefetch_row(v->p, v->dt == 2 ? 4 : 2, off, stride, cnt);
     } else {
       // (The row's pointer and element size per branch, not a View pointer: the views may be of
-      // different types, ArgsCT<.., true>'s CViews.)
+      // different types, the contiguous-layout ArgsCT's CViews.)
       const unsigned char* vp;
       int es;
       int64_t off, stride;
@@ -868,7 +867,7 @@ BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
   // q_bias with its dtype dispatched once (K1 has no shared memory to spare for staging it).
   with_dtype(a.q_bias.dt, [&](auto btag) {
     using TB = typename decltype(btag)::type;
-    const View& qb = a.q_bias;
+    const auto& qb = a.q_bias;
     const int64_t sb = qb.s[2], b0 = int64_t{h} * qb.s[0], hs = a.half * sb;
     const RotSrc<std::decay_t<decltype(a.q)>> src[1] = {{&a.q, a.vec_q, EQ}};
     rotated_pair_rows<NT, 2>(
@@ -913,39 +912,54 @@ struct ArgsShapeCT : Args {
                        lgtT = ct_lg2(C_ * R_ / 16);
 };
 
-// CL (the planes K3 only): also the layouts and dtypes of the benchmark's second pass
-// (bench/bench_mimo_bwd.py's bwd_bwd op, ct_layout_ok): every tensor K3 reads or writes
-// contiguous, of at most 2^30 elements, in its dtype below; reduce-O dout, no gate, the
-// pair / quad loads and stores on (aligned). Its views are CViews (compile-time dtypes, unit last
-// strides, the strides of compile-time dims folded, 32-bit offsets) and those flags constants:
-// the dtype branches and 64-bit stride products of the runtime views fold away. Same offsets,
-// loads and arithmetic as the runtime views: the same bits. (The base Args' views stay filled:
-// helpers that take an Args read those, with the same values.)
-template <int N_, int P_, int R_, int C_, bool CL = false>
+// CL: also the layouts and dtypes of one caller's operands, every tensor K3 (and so K1, which
+// reads a subset) reads or writes contiguous, of at most 2^30 elements, in the dtypes of the
+// set; reduce-O dout, the pair / quad loads and stores on (aligned). The sets (CtSet,
+// ct_layout_ok):
+//   kCtBwdBwd    the benchmark's second pass (bench/bench_mimo_bwd.py's bwd_bwd op): bf16
+//                states, qk_dot, dq, dk; no gate.
+//   kCtCombined  the combined backward's (mimo_bwd_combined.cu with z, no norm: its bench op):
+//                fp32 states and qk_dot (its first pass's), fp32 per-head dq, dk (its
+//                workspace), and the Z gate on a bf16 z (pair loads) with fp32 mimo_z.
+// The views are CViews (compile-time dtypes, unit last strides, the strides of compile-time
+// dims folded, 32-bit offsets) and those flags constants: the dtype branches and 64-bit stride
+// products of the runtime views fold away. Same offsets, loads and arithmetic as the runtime
+// views: the same bits. (The base Args' views stay filled: helpers that take an Args read
+// those, with the same values.)
+enum CtSet : int { kCtShape = 0, kCtBwdBwd = 1, kCtCombined = 2 };
+
+template <int N_, int P_, int R_, int C_, int CL = kCtShape>
 struct ArgsCT : ArgsShapeCT<N_, P_, R_, C_> {};
 
-template <int N_, int P_, int R_, int C_>
-struct ArgsCT<N_, P_, R_, C_, true> : ArgsShapeCT<N_, P_, R_, C_> {
-  static constexpr int kF16 = 0, kBF16 = 1, kF32 = 2;  // (rt_dtype.cuh's codes)
+// rt_dtype.cuh's codes.
+constexpr int kCtF16 = 0, kCtBF16 = 1, kCtF32 = 2;
+
+// The contiguous-layout views of one set: DS the dtype of states and qk_dot, DQ that of dq and
+// dk, GATE the Z gate (z, mimo_z CViews; without it they stay the base's runtime Views, unread).
+template <int N_, int P_, int R_, int C_, int DS, int DQ, int GATE>
+struct ArgsLayoutCT : ArgsShapeCT<N_, P_, R_, C_> {
+  static constexpr int kBF16 = kCtBF16, kF32 = kCtF32;
   static constexpr int A_ = N_ / 4;
   CView<kBF16, 0, 0, P_, 1> dout, v, dv;                        // [B,S,H,P]
   CView<kBF16, 0, 0, 0, N_, 1> q, k;                            // [B,S,R,G,N]
   CView<kF32, R_ * N_, N_, 1> q_bias, k_bias;                   // [H,R,N]
   CView<kF32, R_ * P_, P_, 1> mimo_v, mimo_o;                   // [H,R,P]
-  CView<kBF16, 0, 0, N_ * P_, P_, 1> states;                    // [B,H,nch,N,P]
-  CView<kBF16, 0, 0, R_ * R_, R_, 1> qk_dot;                    // [B,H,S,R,R]
+  CView<DS, 0, 0, N_ * P_, P_, 1> states;                       // [B,H,nch,N,P]
+  CView<DS, 0, 0, R_ * R_, R_, 1> qk_dot;                       // [B,H,S,R,R]
   CView<kF32, 0, 0, 1> da_cs, da_cs_rev, dt;                    // [B,H,S]
   CView<kBF16, 0, 0, 1> trap;                                   // [B,H,S]
   CView<kF32, 0, 0, C_ * C_, C_, 1> segsum, dssda;              // [B,H,nch,C,C]
   CView<kF32, 0, 0, A_, 1> angles, dangles;                     // [B,S,H,A]
   CView<kF32, 1> d;                                             // [H]
-  CView<kBF16, 0, 0, N_, 1> dq, dk;                             // [B,S R,H,N]
+  CView<DQ, 0, 0, N_, 1> dq, dk;                                // [B,S R,H,N]
   CView<kF32, 0, 0, 1> dfactor, dgamma, dda, dda_cs_rev, dda_cs;  // [B,H,S]
-  static constexpr int layout = 0, gate = 0, bf16_z_pairs = 0;
+  std::conditional_t<GATE != 0, CView<kBF16, 0, 0, P_, 1>, View> z;       // [B,S,H,P]
+  std::conditional_t<GATE != 0, CView<kF32, R_ * P_, P_, 1>, View> mimo_z;  // [H,R,P]
+  static constexpr int layout = 0, gate = GATE, bf16_z_pairs = GATE;
   static constexpr int vec_q = 2, vec_k = 2, vec_v = 1, vec_dout = 1, vec_states = 1,
                        vec_dq = 2, vec_dk = 2;
 
-  // Host: the CViews from the runtime views of a (ct_layout_ok(a) must hold).
+  // Host: the CViews from the runtime views of a (ct_layout_ok(a, the set) must hold).
   void set(const Args& a) {
     static_cast<Args&>(*this) = a;
     auto cv = [](auto& c, const View& w) {
@@ -960,11 +974,21 @@ struct ArgsCT<N_, P_, R_, C_, true> : ArgsShapeCT<N_, P_, R_, C_> {
     cv(angles, a.angles), cv(dangles, a.dangles), cv(d, a.d), cv(dq, a.dq), cv(dk, a.dk);
     cv(dfactor, a.dfactor), cv(dgamma, a.dgamma), cv(dda, a.dda);
     cv(dda_cs_rev, a.dda_cs_rev), cv(dda_cs, a.dda_cs);
+    if constexpr (GATE != 0)
+      cv(z, a.z), cv(mimo_z, a.mimo_z);
+    else
+      z = a.z, mimo_z = a.mimo_z;
   }
 };
 
+template <int N_, int P_, int R_, int C_>
+struct ArgsCT<N_, P_, R_, C_, kCtBwdBwd> : ArgsLayoutCT<N_, P_, R_, C_, kCtBF16, kCtBF16, 0> {};
+template <int N_, int P_, int R_, int C_>
+struct ArgsCT<N_, P_, R_, C_, kCtCombined>
+    : ArgsLayoutCT<N_, P_, R_, C_, kCtF32, kCtF32, 1> {};
+
 // SPEC.md section 4's grid (N, P, R, C), rotary_dim_divisor 4 (A = N / 4): the shapes that have
-// specialised planes kernels (mimo_bwd_bwd.cu instantiates them from this list).
+// specialised planes kernels (mimo_bwd_bwd_ct_{shape,bb,cb}.cu instantiate them from this list).
 #define MAMBA3_BB_CT_SHAPES(X) \
   X(16, 64, 4, 8)              \
   X(32, 64, 4, 16)             \
@@ -978,14 +1002,15 @@ struct ArgsCT<N_, P_, R_, C_, true> : ArgsShapeCT<N_, P_, R_, C_> {
   X(128, 64, 2, 32)            \
   X(128, 64, 1, 64)
 
-inline bool ct_layout_ok(const Args& a);
+inline bool ct_layout_ok(const Args& a, CtSet set);
 
 // Which planes K3 runs for a (on the planes path): the generic kernel (kGeneric), the one
 // specialised to its shape (kShape: ArgsCT<N, P, R, C>) or to its shape and the contiguous
-// layouts (kShapeLayout: ArgsCT<N, P, R, C, true>, when ct_layout_ok). MAMBA3_BB_SPECIALIZED=0:
-// the generic one; MAMBA3_BB_CT_LAYOUT=0: never kShapeLayout. Host; mimo_bwd_bwd.cu launches
-// by it.
-enum class K3Kind { kGeneric, kShape, kShapeLayout };
+// layouts of one operand set (kShapeLayout: ArgsCT<N, P, R, C, kCtBwdBwd>, kShapeLayoutCombined:
+// ArgsCT<N, P, R, C, kCtCombined>, when ct_layout_ok for that set). MAMBA3_BB_SPECIALIZED=0: the
+// generic one; MAMBA3_BB_CT_LAYOUT=0: never a contiguous-layout copy. Host; mimo_bwd_bwd.cu
+// launches by it.
+enum class K3Kind { kGeneric, kShape, kShapeLayout, kShapeLayoutCombined };
 inline K3Kind k3_kind(const Args& a) {
   if (!specialized_allowed_by_env()) return K3Kind::kGeneric;
   bool listed = false;
@@ -994,18 +1019,24 @@ inline K3Kind k3_kind(const Args& a) {
   MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_LISTED)
 #undef MAMBA3_BB_CT_LISTED
   if (!listed) return K3Kind::kGeneric;
-  return ct_layout_allowed_by_env() && ct_layout_ok(a) ? K3Kind::kShapeLayout : K3Kind::kShape;
+  if (!ct_layout_allowed_by_env()) return K3Kind::kShape;
+  if (ct_layout_ok(a, kCtBwdBwd)) return K3Kind::kShapeLayout;
+  if (ct_layout_ok(a, kCtCombined)) return K3Kind::kShapeLayoutCombined;
+  return K3Kind::kShape;
 }
 
-// Whether a (of a plan on the planes kernels) meets ArgsCT<.., true>'s conditions: the
-// benchmark's dtypes, contiguous tensors (strides those of the shapes above) of at most 2^30
-// elements (its 32-bit offsets: the headroom covers the offsets formed a chunk's rows past the
-// end, never dereferenced), reduce-O dout without gate, the pair / quad flags it fixes. Host;
-// the shape's own match (N, P, R, C, A) is the caller's.
-inline bool ct_layout_ok(const Args& a) {
-  if (a.layout != 0 || a.gate || a.vec_q != 2 || a.vec_k != 2 || a.vec_v < 1 ||
+// Whether a (of a plan on the planes kernels) meets ArgsCT<.., set>'s conditions: the set's
+// dtypes, contiguous tensors (strides those of the shapes above) of at most 2^30 elements (its
+// 32-bit offsets: the headroom covers the offsets formed a chunk's rows past the end, never
+// dereferenced), reduce-O dout, the gate exactly when the set has it, the pair / quad flags it
+// fixes. Host; the shape's own match (N, P, R, C, A) is the caller's.
+inline bool ct_layout_ok(const Args& a, CtSet set) {
+  if (set != kCtBwdBwd && set != kCtCombined) return false;
+  const bool gate = set == kCtCombined;
+  if (a.layout != 0 || (a.gate != 0) != gate || a.vec_q != 2 || a.vec_k != 2 || a.vec_v < 1 ||
       a.vec_dout < 1 || a.vec_states < 1 || a.vec_dq != 2 || a.vec_dk != 2)
     return false;
+  if (gate && !a.bf16_z_pairs) return false;
   const int64_t B = a.B, S = a.S, H = a.H, G = a.G, N = a.N, P = a.P, R = a.R, C = a.C,
                 A = a.A, nch = a.nch;
   // w is dtype dt and contiguous of the given shape, with at most 2^30 elements.
@@ -1019,23 +1050,24 @@ inline bool ct_layout_ok(const Args& a) {
     }
     return st <= (int64_t{1} << 30);
   };
-  const int F32 = 2, BF16 = 1;
+  const int F32 = kCtF32, BF16 = kCtBF16;
+  const int DS = gate ? F32 : BF16, DQ = gate ? F32 : BF16;  // (as ArgsCT<.., set>)
   return is(a.dout, BF16, {B, S, H, P}) && is(a.v, BF16, {B, S, H, P}) &&
          is(a.dv, BF16, {B, S, H, P}) && is(a.q, BF16, {B, S, R, G, N}) &&
          is(a.k, BF16, {B, S, R, G, N}) && is(a.q_bias, F32, {H, R, N}) &&
          is(a.k_bias, F32, {H, R, N}) && is(a.mimo_v, F32, {H, R, P}) &&
-         is(a.mimo_o, F32, {H, R, P}) && is(a.states, BF16, {B, H, nch, N, P}) &&
-         is(a.qk_dot, BF16, {B, H, S, R, R}) && is(a.da_cs, F32, {B, H, S}) &&
+         is(a.mimo_o, F32, {H, R, P}) && is(a.states, DS, {B, H, nch, N, P}) &&
+         is(a.qk_dot, DS, {B, H, S, R, R}) && is(a.da_cs, F32, {B, H, S}) &&
          is(a.da_cs_rev, F32, {B, H, S}) && is(a.dt, F32, {B, H, S}) &&
          is(a.trap, BF16, {B, H, S}) && is(a.segsum, F32, {B, H, nch, C, C}) &&
          is(a.dssda, F32, {B, H, nch, C, C}) && is(a.angles, F32, {B, S, H, A}) &&
          is(a.dangles, F32, {B, S, H, A}) && (!a.has_d || is(a.d, F32, {H})) &&
-         is(a.dq, BF16, {B, S * R, H, N}) && is(a.dk, BF16, {B, S * R, H, N}) &&
+         is(a.dq, DQ, {B, S * R, H, N}) && is(a.dk, DQ, {B, S * R, H, N}) &&
          is(a.dfactor, F32, {B, H, S}) && is(a.dgamma, F32, {B, H, S}) &&
          is(a.dda, F32, {B, H, S}) && is(a.dda_cs_rev, F32, {B, H, S}) &&
-         is(a.dda_cs, F32, {B, H, S});
+         is(a.dda_cs, F32, {B, H, S}) &&
+         (!gate || (is(a.z, BF16, {B, S, H, P}) && is(a.mimo_z, F32, {H, R, P})));
 }
-
 // K3's phase-0 rows loaded a chunk ahead (chunk_planes_body: RawRows): per thread, kx rows of
 // the [T][P] x / dPhiO loop and ks rows of the [N][P] states loop (their pair_rows mappings),
 // compile-time only in the specialised kernels (on); the generic kernel loads them in phase 0.
@@ -1047,7 +1079,7 @@ struct RawCounts {
   static constexpr bool on = false;
   static constexpr int kx = 1, ks = 1;
 };
-template <int N, int P, int R, int C, bool CL>
+template <int N, int P, int R, int C, int CL>
 struct RawCounts<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = N == 128 && P == 64 && ((R == 4 && C == 16) || (R == 2 && C == 32));
   static constexpr int kx = (C * R * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
@@ -1063,7 +1095,7 @@ template <class AT>
 struct PairTiles {
   static constexpr bool on = false;
 };
-template <int N, int P, int R, int C, bool CL>
+template <int N, int P, int R, int C, int CL>
 struct PairTiles<ArgsCT<N, P, R, C, CL>> {
   static constexpr int nT = C * R / 16, nN = N / 16;
   static constexpr bool on = nT >= 2 && nT * nN == 2 * kPlanesWarps;
@@ -1076,7 +1108,7 @@ template <class AT>
 struct IncAddr {
   static constexpr bool on = false;
 };
-template <int N, int P, int R, int C, bool CL>
+template <int N, int P, int R, int C, int CL>
 struct IncAddr<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = N == 256 && P == 64 && R == 4 && C == 8;
 };
@@ -1089,7 +1121,7 @@ template <class AT>
 struct GlobalAngleTable {
   static constexpr bool on = true;
 };
-template <int N, int P, int R, int C, bool CL>
+template <int N, int P, int R, int C, int CL>
 struct GlobalAngleTable<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = planes_layout(N, P, R, C, N / 4).cs < 0;
 };

@@ -187,9 +187,10 @@ struct View {
 };
 
 // A tensor of a compile-time dtype DT and layout (the planes K3 specialised to the contiguous
-// layouts: ArgsCT<.., true>): strides s[i] = K_i where K_i > 0 (compile-time: derived from the
-// compile-time dims; the last one 1), else the runtime v[i] (32-bit). Offsets (o1 .. o5) in 32
-// bits: the host takes that kernel only for tensors of at most 2^30 elements (ct_layout_ok).
+// layouts: ArgsCT<.., kCtBwdBwd / kCtCombined>): strides s[i] = K_i where K_i > 0 (compile-
+// time: derived from the compile-time dims; the last one 1), else the runtime v[i] (32-bit).
+// Offsets (o1 .. o5) in 32 bits: the host takes that kernel only for tensors of at most 2^30
+// elements (ct_layout_ok).
 // Reads as View (p, dt, s[i]), so that the kernel bodies take either.
 template <int DT, int... K>
 struct CView {

@@ -290,9 +290,11 @@ TEST(MimoBwdBwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
 // bits of the generic planes K1 and K3 (MAMBA3_BB_SPECIALIZED=0) at each of those shapes, whole
 // and partial chunks, the three dout layouts in turn; then with the benchmark's operands
 // (reduce-O, contiguous, bf16 trap and outputs: bench/bench_mimo_bwd.py's bwd_bwd), which take
-// the K3 specialised to the contiguous layouts too (bb::ArgsCT<.., true>; the plan test
-// MimoBwdBwdEmulated.PlanPicksContiguousLayoutKernel checks that choice for these dtypes): its
-// bits against the generic kernels and against the shape-only K3 (MAMBA3_BB_CT_LAYOUT=0).
+// the K1 and K3 specialised to the contiguous layouts too (bb::ArgsCT<.., bb::kCtBwdBwd>; the plan
+// test MimoBwdBwdEmulated.PlanPicksContiguousLayoutKernel checks that choice for these dtypes):
+// their bits against the generic kernels and against the shape-only copies
+// (MAMBA3_BB_CT_LAYOUT=0); the combined backward's operand set: MimoBwdCombinedCuda.
+// ContiguousLayoutKernelGivesIdenticalBits.
 TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
   SKIP_WITHOUT_CUDA();
 #ifdef MAMBA3_GOLDEN_CUDA

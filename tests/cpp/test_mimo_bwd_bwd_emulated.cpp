@@ -68,24 +68,46 @@ void launch(int64_t grid, int nthreads, F body) {
 // Which K3 the plan must take: chunk_body over the scratch slots, or the planes kernel (PlanesCT:
 // its specialised copy, bb::ArgsCT, for the first run of check_case, the generic one for the
 // second: their outputs must have the same bits; PlanesCTL: the same with the copy specialised
-// to the contiguous layouts too, ArgsCT<.., true>, which the first run's operands must select).
-enum class K3 { Slots, Planes, PlanesCT, PlanesCTL };
+// to the contiguous layouts of one operand set too, ArgsCT<.., kCtBwdBwd or kCtCombined>,
+// which the first run's operands must select; PlanesCTShape: those operands, but the copy
+// specialised to the shape only, as MAMBA3_BB_CT_LAYOUT=0).
+enum class K3 { Slots, Planes, PlanesCT, PlanesCTL, PlanesCTShape };
 
-// Runs K3 specialised to (N, P, R, C) when a has that shape (rotary divisor 4, as the device
-// kernels), and to the contiguous layouts when bb::ct_layout_ok(a) (as mimo_bwd_bwd.cu picks:
-// bb::k3_kind); false otherwise.
-template <int N, int P, int R, int C>
-bool launch_planes_ct(const bb::Args& a, int64_t grid, unsigned char* smem) {
-  if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4) return false;
-  if (bb::ct_layout_ok(a)) {
-    auto s = std::make_unique<bb::ArgsCT<N, P, R, C, true>>();
+// Which contiguous-layout operand set a meets (bb::kCtShape: none).
+bb::CtSet ct_set(const bb::Args& a) {
+  return bb::ct_layout_ok(a, bb::kCtBwdBwd)     ? bb::kCtBwdBwd
+         : bb::ct_layout_ok(a, bb::kCtCombined) ? bb::kCtCombined
+                                                : bb::kCtShape;
+}
+
+// The specialised K1 (k1) or K3 of operand set CL on a (as bb::ct_k1_entry / ct_k3_entry).
+template <int N, int P, int R, int C, int CL>
+void launch_planes_cl(const bb::Args& a, int64_t grid, unsigned char* smem, bool k1) {
+  auto s = std::make_unique<bb::ArgsCT<N, P, R, C, CL>>();
+  if constexpr (CL == bb::kCtShape)
+    static_cast<bb::Args&>(*s) = a;
+  else
     s->set(a);
+  if (k1)
+    launch(grid, bb::kIncPlanesThreads, [&] { bb::increment_planes_body(*s, smem); });
+  else
     launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(*s, smem); });
-  } else {
-    bb::ArgsCT<N, P, R, C> s;
-    static_cast<bb::Args&>(s) = a;
-    launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(s, smem); });
-  }
+}
+
+// Runs K1 (k1) or K3 specialised to (N, P, R, C) when a has that shape (rotary divisor 4, as
+// the device kernels), and to the contiguous layouts of the operand set a meets unless
+// shape_only (as mimo_bwd_bwd.cu picks: bb::k3_kind); false otherwise.
+template <int N, int P, int R, int C>
+bool launch_planes_ct(const bb::Args& a, int64_t grid, unsigned char* smem, bool shape_only,
+                      bool k1 = false) {
+  if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4) return false;
+  const bb::CtSet set = shape_only ? bb::kCtShape : ct_set(a);
+  if (set == bb::kCtBwdBwd)
+    launch_planes_cl<N, P, R, C, bb::kCtBwdBwd>(a, grid, smem, k1);
+  else if (set == bb::kCtCombined)
+    launch_planes_cl<N, P, R, C, bb::kCtCombined>(a, grid, smem, k1);
+  else
+    launch_planes_cl<N, P, R, C, bb::kCtShape>(a, grid, smem, k1);
   return true;
 }
 
@@ -103,10 +125,21 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
   ASSERT_LE(reinterpret_cast<uintptr_t>(a.ws_slot + pl.nslots * pl.slot_floats),
             reinterpret_cast<uintptr_t>(ws.data()) + pl.bytes);
   if (pl.grid_cs > 0) launch(pl.grid_cs, bb::kThreads, [&] { bb::angle_table_body(a); });
+  const bool spec =
+      (k3 == K3::PlanesCT || k3 == K3::PlanesCTL || k3 == K3::PlanesCTShape) && !scalar_loads;
   if (pl.grid1 > 0 && pl.planes) {
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
-    launch(pl.grid1, bb::kIncPlanesThreads,
-           [&] { bb::increment_planes_body(a, smem.data()); });
+    // K1 specialised with K3 (as mimo_bwd_bwd.cu: the test's shapes are not N16).
+    if (spec) {
+      const bool shape_only = k3 == K3::PlanesCTShape;
+      unsigned char* sm = smem.data();
+      ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, pl.grid1, sm, shape_only, true) ||
+                   launch_planes_ct<256, 64, 4, 8>(a, pl.grid1, sm, shape_only, true)))
+          << "no specialised K1 of this shape in the test";
+    } else {
+      launch(pl.grid1, bb::kIncPlanesThreads,
+             [&] { bb::increment_planes_body(a, smem.data()); });
+    }
   } else if (pl.grid1 > 0) {
     std::vector<float> smem(pl.smem1 / sizeof(float), std::numeric_limits<float>::quiet_NaN());
     launch(pl.grid1, bb::kThreads, [&] { bb::increment_body(a, smem.data()); });
@@ -117,11 +150,12 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.bytes), 0xff);
     // The device launches one CTA per SM (grid-stride); max_slots stands in for the SM count.
     const int64_t grid = std::min(pl.grid3, max_slots);
-    if ((k3 == K3::PlanesCT || k3 == K3::PlanesCTL) && !scalar_loads) {
-      ASSERT_EQ(bb::ct_layout_ok(a), k3 == K3::PlanesCTL)
+    if (spec) {
+      ASSERT_EQ(ct_set(a) != bb::kCtShape, k3 != K3::PlanesCT)
           << "the operands do not select the requested specialisation";
-      ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data()) ||
-                   launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data())))
+      const bool shape_only = k3 == K3::PlanesCTShape;
+      ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data(), shape_only) ||
+                   launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data(), shape_only)))
           << "no specialised K3 of this shape in the test";
     } else {
       launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(a, smem.data()); });
@@ -146,8 +180,14 @@ struct Shape {
   IoType act, out;
   bool dout_f32 = false;  // fp32 dout with 16-bit q, k, v (what the combined backward hands over)
   // The benchmark's dtypes (bench/bench_mimo_bwd.py's bwd_bwd: fp32 biases and dt, bf16 states,
-  // qk_dot and trap), with act = out = BF16: what ArgsCT<.., true> is specialised to.
+  // qk_dot and trap), with act = out = BF16: what ArgsCT<.., kCtBwdBwd> is specialised to.
   bool bench_dtypes = false;
+  // The combined backward's operands of the second pass (mimo_bwd_combined.cu with z, no norm;
+  // bench_dtypes on, act = out = BF16, reduce-O): fp32 states, qk_dot (its first pass's) and
+  // dq, dk (its per-head workspace), and the Z gate (bb::Args::gate: a bf16 z, fp32 mimo_z),
+  // what ArgsCT<.., kCtCombined> is specialised to. The references take the gated dout as a
+  // per-rank fp32 dout, dout mimo_o^r silu(z mimo_z^r) (in double).
+  bool combined = false;
 };
 
 const char* kNames[] = {"dq",     "dk",  "dv",    "dmimo_v",    "dangles", "dfactor",
@@ -181,9 +221,10 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   in.push_back(rand_buf(rng, s.bench_dtypes ? F : s.act, {H, R, N}, -0.5, 0.5,
                         s.pad));  // k_bias
   in.push_back(rand_buf(rng, F, {H, R, P}, -1, 1, s.pad));                // mimo_v
-  in.push_back(rand_buf(rng, s.act, {B, H, nch, N, P}, -1, 1, s.pad));  // states
-  in.push_back(rand_buf(rng, s.bench_dtypes ? IoType::BF16 : F, {B, H, S, R, R}, -2, 2,
-                        s.pad));  // qk_dot
+  in.push_back(rand_buf(rng, s.combined ? F : s.act, {B, H, nch, N, P}, -1, 1,
+                        s.pad));  // states
+  in.push_back(rand_buf(rng, s.bench_dtypes && !s.combined ? IoType::BF16 : F, {B, H, S, R, R},
+                        -2, 2, s.pad));  // qk_dot
   // Decays consistent with one adt <= 0 (as the first pass would see them).
   std::vector<double> adt(B * H * S), dacs(B * H * S), rev(B * H * S), seg(B * H * nch * C * C);
   for (double& x : adt) x = -std::uniform_real_distribution<double>(0.02, 0.4)(rng);
@@ -217,11 +258,32 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   in.push_back(rand_buf(rng, F, {B, S, H, A}, -3, 3, s.pad));            // angles
   in.push_back(s.layout == kReduceO ? rand_buf(rng, F, {H, R, P}, -1, 1, s.pad) : Buffer());
   in.push_back(s.d ? rand_buf(rng, F, {H}, -1, 1, s.pad) : Buffer());
+  // The gate's z and mimo_z (drawn last: the other cases' operands stay as they were), and the
+  // gated dout as a per-rank fp32 dout for the references.
+  Buffer zb, mzb, gated;
+  std::vector<double> gated_d;
+  if (s.combined) {
+    zb = rand_buf(rng, s.act, {B, S, H, P}, -2, 2, s.pad);
+    mzb = rand_buf(rng, F, {H, R, P}, -1.5, 1.5, s.pad);
+    const std::vector<double> dd = in[0].to_double(), mo = in[15].to_double(),
+                              zd = zb.to_double(), mz = mzb.to_double();
+    gated_d.resize(B * S * R * H * P);
+    for (int64_t bt = 0; bt < B * S; ++bt)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t q = 0; q < P; ++q) {
+            const double x = zd[(bt * H + h) * P + q] * mz[(h * R + r) * P + q];
+            gated_d[((bt * R + r) * H + h) * P + q] =
+                dd[(bt * H + h) * P + q] * mo[(h * R + r) * P + q] * x / (1 + std::exp(-x));
+          }
+    gated = Buffer::from_double(F, {B, S, R, H, P}, gated_d);
+  }
 
   auto outputs = [&] {
     std::vector<Buffer> out;
-    out.emplace_back(s.out, std::vector<int64_t>{B, S * R, H, N});  // dq
-    out.emplace_back(s.out, std::vector<int64_t>{B, S * R, H, N});  // dk
+    const IoType oq = s.combined ? F : s.out;
+    out.emplace_back(oq, std::vector<int64_t>{B, S * R, H, N});  // dq
+    out.emplace_back(oq, std::vector<int64_t>{B, S * R, H, N});  // dk
     out.emplace_back(s.out, std::vector<int64_t>{B, S, H, P});      // dv
     out.emplace_back(F, std::vector<int64_t>{B, H, R, P});          // dmimo_v
     out.emplace_back(F, std::vector<int64_t>{B, S, H, A});          // dangles
@@ -233,6 +295,7 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   };
   std::vector<DLTensor*> ci;
   for (Buffer& b : in) ci.push_back(b.shape.empty() ? nullptr : b.tensor());
+  if (s.combined) ci[0] = gated.tensor(), ci[15] = nullptr;  // (the reference's dout)
   // The checked params the C API would build (make_mimo_bwd_bwd_params is internal to the
   // library; the CPU call below validates the same operands).
   auto call_params = [&](std::vector<Buffer>& out) {
@@ -250,6 +313,7 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
                                   &p.dssda,   &p.dda_cs_rev, &p.dda_cs, &p.dd};
     for (size_t i = 0; i < in.size(); ++i) *ins[i] = view_of(in[i]);
     for (size_t i = 0; i < out.size(); ++i) *outs[i] = view_of(out[i]);
+    if (s.combined) p.z = view_of(zb), p.mimo_z = view_of(mzb);
     return p;
   };
 
@@ -270,6 +334,12 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   // The second run with the planes kernels' scalar-load fallback: the same bits expected (pair
   // loads or not, the same values enter the same arithmetic), and run-to-run determinism.
   emulate(call_params(again), max_slots, k3, /*scalar_loads=*/true);
+  // The contiguous-layout K3: also the bits of the shape-only copy (MAMBA3_BB_CT_LAYOUT=0).
+  std::vector<Buffer> shape_only;
+  if (k3 == K3::PlanesCTL) {
+    shape_only = outputs();
+    emulate(call_params(shape_only), max_slots, K3::PlanesCTShape);
+  }
   if (testing::Test::HasFatalFailure()) return;
   // Against the CPU backend (same fp32 algebra: tight; the planes kernel's products round their
   // operands to hi + lo bf16 pairs, ~2^-17 each: fp32 outputs to 1e-4 as the first pass's lean
@@ -281,6 +351,9 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
     if (got[k].shape.empty()) continue;
     EXPECT_TRUE(got[k].bytes == again[k].bytes)
         << kNames[k] << ": two runs differ (the second with scalar loads)";
+    if (!shape_only.empty())
+      EXPECT_TRUE(got[k].bytes == shape_only[k].bytes)
+          << kNames[k] << ": the contiguous-layout K3 differs from the shape-only one";
     const std::vector<double> g = got[k].to_double(), r = ref[k].to_double();
     double num = 0, den = 0, maxd = 0, maxr = 0;
     size_t bad = 0;
@@ -311,7 +384,8 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   gi.mimo_v = in[6].to_double();
   gi.da_cs = in[9].to_double(), gi.da_cs_rev = in[10].to_double(), gi.dt = in[11].to_double();
   gi.trap = in[12].to_double(), gi.segsum = in[13].to_double(), gi.angles = in[14].to_double();
-  if (s.layout == kReduceO) gi.mimo_o = in[15].to_double();
+  if (s.layout == kReduceO && !s.combined) gi.mimo_o = in[15].to_double();
+  if (s.combined) gi.dout = gated_d;
   if (s.d) gi.D = in[16].to_double();
   const std::vector<double> states = in[7].to_double(), qk = in[8].to_double();
   auto to_f = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
@@ -323,7 +397,8 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   fi.da_cs = to_f(gi.da_cs), fi.da_cs_rev = to_f(gi.da_cs_rev), fi.dt = to_f(gi.dt);
   fi.trap = to_f(gi.trap), fi.segsum = to_f(gi.segsum), fi.angles = to_f(gi.angles);
   fi.mimo_o = to_f(gi.mimo_o), fi.D = to_f(gi.D);
-  const MimoDoutLayout lay = s.layout == kReduceO   ? MimoDoutLayout::ReduceO
+  const MimoDoutLayout lay = s.combined              ? MimoDoutLayout::PerRank
+                             : s.layout == kReduceO ? MimoDoutLayout::ReduceO
                              : s.layout == kPerRank ? MimoDoutLayout::PerRank
                                                     : MimoDoutLayout::Packed;
   const MimoBwdBwdOutputs<double> gold = mimo_bwd_bwd(gi, states, qk, lay);
@@ -437,9 +512,9 @@ TEST(MimoBwdBwdEmulated, PlanesKernelSpecialisedGivesIdenticalBits) {
 }
 
 // The planes K3 specialised to the shape and to the contiguous layouts and dtypes of the
-// benchmark (bb::ArgsCT<.., true>: compile-time dtypes, strides and flags, 32-bit offsets)
-// against the generic one: the same bits. Batches and heads (the runtime strides), full and
-// partial chunks, several chunks per CTA; fp32 and bf16 outputs.
+// benchmark (bb::ArgsCT<.., kCtBwdBwd>: compile-time dtypes, strides and flags, 32-bit offsets)
+// against the generic one and the shape-only one: the same bits. Batches and heads (the
+// runtime strides), full and partial chunks, several chunks per CTA; fp32 and bf16 outputs.
 TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
   const IoType BF = IoType::BF16;
   Shape s{2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
@@ -448,6 +523,19 @@ TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
   Shape s2{1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF};
   s2.bench_dtypes = true;
   check_case(s2, 512, 3, K3::PlanesCTL);
+}
+
+// The same for the combined backward's operand set (bb::ArgsCT<.., kCtCombined>: fp32 states,
+// qk_dot, dq, dk; the Z gate on a bf16 z), against the generic and the shape-only K3: the same
+// bits; and against the CPU backend and the golden with the gate folded into a per-rank dout.
+TEST(MimoBwdBwdEmulated, PlanesKernelCombinedLayoutGivesIdenticalBits) {
+  const IoType BF = IoType::BF16;
+  Shape s{2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
+  s.bench_dtypes = s.combined = true;
+  check_case(s, 521, 2, K3::PlanesCTL);
+  Shape s2{1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF};
+  s2.bench_dtypes = s2.combined = true;
+  check_case(s2, 522, 3, K3::PlanesCTL);
 }
 
 // The planes kernel walks several chunks per CTA (the device launches one CTA per SM; here 3)
@@ -595,16 +683,47 @@ TEST(MimoBwdBwdEmulated, PlanPicksContiguousLayoutKernel) {
     edit(p);
     EXPECT_EQ(kind(p), K::kShape) << what;
   }
-  {  // the gate (what the combined backward's z adds)
+  {  // the gate alone (what the combined backward's z adds)
     mamba3::MimoBwdBwdParams p = params(128, 64, 4, 16);
     p.z = tv(DType::BF16, {p.B, p.S, p.H, p.P}), p.mimo_z = tv(DType::F32, {p.H, p.R, p.P});
     EXPECT_EQ(kind(p), K::kShape) << "gate";
   }
+  // The combined backward's operands (mimo_bwd_combined.cu with z, no norm: fp32 states,
+  // qk_dot, dq, dk, the gate): its own contiguous-layout copy at every grid shape ...
+  auto combined = [&](int64_t N, int64_t P, int64_t R, int64_t C) {
+    mamba3::MimoBwdBwdParams p = params(N, P, R, C);
+    p.states = tv(F, {p.B, p.H, p.nchunks, N, P}), p.qk_dot = tv(F, {p.B, p.H, p.S, R, R});
+    p.dq = tv(F, {p.B, p.S * R, p.H, N}), p.dk = tv(F, {p.B, p.S * R, p.H, N});
+    p.z = tv(BF, {p.B, p.S, p.H, P}), p.mimo_z = tv(F, {p.H, R, P});
+    return p;
+  };
+  for (const auto& g : grid)
+    EXPECT_EQ(kind(combined(g[0], g[1], g[2], g[3])), K::kShapeLayoutCombined)
+        << "combined N" << g[0] << " P" << g[1] << " R" << g[2] << " C" << g[3];
+  // ... and the shape-only copy when one of them differs.
+  const std::pair<const char*, Edit> cb_edits[] = {
+      {"no gate", [](Pm& p) { p.z = p.mimo_z = mamba3::TensorView{}; }},
+      {"bf16 states", [](Pm& p) { p.states.dtype = DType::BF16; }},
+      {"bf16 qk_dot", [](Pm& p) { p.qk_dot.dtype = DType::BF16; }},
+      {"bf16 dq, dk", [](Pm& p) { p.dq.dtype = p.dk.dtype = DType::BF16; }},
+      {"fp32 dout", [](Pm& p) { p.dout.dtype = DType::F32; }},
+      {"fp32 z", [](Pm& p) { p.z.dtype = DType::F32; }},
+      {"bf16 mimo_z", [](Pm& p) { p.mimo_z.dtype = DType::BF16; }},
+      {"padded z rows", [](Pm& p) {
+         for (int i = 0; i < 3; ++i) p.z.strides[i] *= 2;
+       }},
+  };
+  for (const auto& [what, edit] : cb_edits) {
+    mamba3::MimoBwdBwdParams p = combined(128, 64, 4, 16);
+    edit(p);
+    EXPECT_EQ(kind(p), K::kShape) << "combined, " << what;
+  }
   // MAMBA3_BB_CT_LAYOUT=0: the shape-specialised copy.
   setenv("MAMBA3_BB_CT_LAYOUT", "0", 1);
-  const K off = kind(params(128, 64, 4, 16));
+  const K off = kind(params(128, 64, 4, 16)), cb_off = kind(combined(128, 64, 4, 16));
   unsetenv("MAMBA3_BB_CT_LAYOUT");
   EXPECT_EQ(off, K::kShape) << "MAMBA3_BB_CT_LAYOUT=0";
+  EXPECT_EQ(cb_off, K::kShape) << "MAMBA3_BB_CT_LAYOUT=0, combined";
   // Off the grid (no specialised copies): the generic kernel, contiguous or not.
   EXPECT_EQ(kind(params(64, 64, 2, 8)), K::kGeneric);
   EXPECT_EQ(kind(params(64, 64, 4, 8)), K::kGeneric);

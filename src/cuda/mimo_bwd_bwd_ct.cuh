@@ -1,0 +1,110 @@
+// The planes K1 and K3 of mimo_bwd_bwd specialised to the shapes of SPEC.md's grid (bb::ArgsCT,
+// MAMBA3_BB_CT_SHAPES), one translation unit per kind so that none compiles longer than
+// mimo_bwd_bwd.cu did with two kinds (each K3 copy is ~10 s of ptxas):
+//   mimo_bwd_bwd_ct_shape.cu  K1 and K3 specialised to the shape only (kCtShape)
+//   mimo_bwd_bwd_ct_bb.cu     also to the benchmark's contiguous layouts (kCtBwdBwd)
+//   mimo_bwd_bwd_ct_cb.cu     also to the combined backward's (kCtCombined)
+// mimo_bwd_bwd.cu picks among them (bb::k3_kind) and launches.
+#pragma once
+
+#include "cuda/common.cuh"
+#include "cuda/mimo_bwd_bwd_chunk_planes.cuh"
+#include "cuda/mimo_bwd_bwd_kernels.cuh"
+
+namespace mamba3::cuda::bb {
+
+// A planes kernel of one shape: the kernel (for its shared-memory attribute) and its launch
+// (the same parameter block, passed as the kernel's type).
+struct PlanesKernel {
+  const void* kernel = nullptr;  // nullptr: none (the caller takes the generic kernel)
+  void (*launch)(const Args&, unsigned grid, int nthreads, int smem, cudaStream_t st) = nullptr;
+};
+
+// The specialised kernels for a's shape (its N, P, R, C, and A = N / 4, one of
+// MAMBA3_BB_CT_SHAPES) and operand set (ct_layout_ok(a, set) must hold but for kCtShape), or {}
+// if it has none (K1: nor at N16). Each is defined in the translation unit of its kind (above).
+PlanesKernel ct_k1_shape(const Args& a);
+PlanesKernel ct_k3_shape(const Args& a);
+PlanesKernel ct_k1_bwd_bwd(const Args& a);
+PlanesKernel ct_k3_bwd_bwd(const Args& a);
+PlanesKernel ct_k1_combined(const Args& a);
+PlanesKernel ct_k3_combined(const Args& a);
+
+// ---- the kernels (instantiated by the translation unit of their kind only)
+
+// One CTA per SM: its planes take most of the shared memory.
+template <int N, int P, int R, int C, int CL>
+__global__ void __launch_bounds__(kPlanesThreads, 1)
+    bb_chunk_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
+  extern __shared__ __align__(16) unsigned char planes_smem[];
+  chunk_planes_body(a, planes_smem);
+}
+
+// K1 specialised: 3 CTAs per SM (<= 85 registers; ptxas: 55-72 at the grid's shapes, no
+// spills), for every grid shape but N16 (ct_k1_of). At the generic kernel's 4 (64 registers) the
+// specialised copies spilled 24-216 bytes in session 10 (the folded shapes unroll more and keep
+// more values live; the unrolled rank loop of rotated_pair_rows, since rolled, was one cause at
+// R = 8).
+template <int N, int P, int R, int C, int CL>
+__global__ void __launch_bounds__(kIncPlanesThreads, 3)
+    bb_increment_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
+  extern __shared__ __align__(16) unsigned char inc_planes_smem[];
+  increment_planes_body(a, inc_planes_smem);
+}
+
+// The parameter block of shape (N, P, R, C) and operand set CL from a.
+template <int N, int P, int R, int C, int CL>
+ArgsCT<N, P, R, C, CL> ct_args(const Args& a) {
+  ArgsCT<N, P, R, C, CL> s;
+  if constexpr (CL == kCtShape)
+    static_cast<Args&>(s) = a;
+  else
+    s.set(a);
+  return s;
+}
+
+// K1 / K3 of shape (N, P, R, C) and operand set CL. K1 keeps the generic kernel at N16 P64 R4
+// C8 ({}): specialised (3 CTAs per SM) it measured slower there on the H200 (0.195 -> 0.217 ms;
+// N128 0.297 -> 0.249, R1 C64 0.107 -> 0.085, N32 0.159 -> 0.136).
+template <int N, int P, int R, int C, int CL>
+PlanesKernel ct_k1_entry() {
+  if constexpr (N == 16) {
+    return {};
+  } else {
+    return {reinterpret_cast<const void*>(bb_increment_planes_ct_kernel<N, P, R, C, CL>),
+            [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+              bb_increment_planes_ct_kernel<N, P, R, C, CL>
+                  <<<grid, nt, smem, st>>>(ct_args<N, P, R, C, CL>(a));
+            }};
+  }
+}
+template <int N, int P, int R, int C, int CL>
+PlanesKernel ct_k3_entry() {
+  return {reinterpret_cast<const void*>(bb_chunk_planes_ct_kernel<N, P, R, C, CL>),
+          [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+            bb_chunk_planes_ct_kernel<N, P, R, C, CL>
+                <<<grid, nt, smem, st>>>(ct_args<N, P, R, C, CL>(a));
+          }};
+}
+
+// K1 / K3 of operand set CL for a's shape, or {}.
+template <int CL>
+PlanesKernel ct_k1_of(const Args& a) {
+#define MAMBA3_BB_CT_K1(n, p, r, c)                                   \
+  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
+    return ct_k1_entry<n, p, r, c, CL>();
+  MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_K1)
+#undef MAMBA3_BB_CT_K1
+  return {};
+}
+template <int CL>
+PlanesKernel ct_k3_of(const Args& a) {
+#define MAMBA3_BB_CT_K3(n, p, r, c)                                   \
+  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
+    return ct_k3_entry<n, p, r, c, CL>();
+  MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_K3)
+#undef MAMBA3_BB_CT_K3
+  return {};
+}
+
+}  // namespace mamba3::cuda::bb
