@@ -37,7 +37,7 @@ def short(name):
     name = re.sub(r"\([^()]*\)\s*$", "", name)  # the parameter list
     base = re.sub(r"<.*$", "", name).split("::")[-1]
     targs = re.search(r"<(.*)>", name)
-    return f"{base}<{targs.group(1)}>" if targs and len(targs.group(1)) <= 24 else base
+    return f"{base}<{targs.group(1)}>" if targs and len(targs.group(1)) <= 32 else base
 
 
 def op_ms(fn, calls):
