@@ -37,7 +37,9 @@ SRCS=(tests/cpp/cta_emulator.cpp tests/cpp/*_emulated.cpp)
 INC=(-DMAMBA3_GOLDEN_CUDA -DMAMBA3_WITH_CUDA -Isrc -Itests/cpp -Iinclude -Ithird_party/dlpack/include
      -Igolden/include -isystem "$CUDA_INC" -DGTEST_HAS_PTHREAD=1 -std=gnu++17 -O1 -g)
 LIBS=(-Wl,-rpath,"$B" "$B/libmamba3.so" "$B/libmamba3_golden.a" -lgtest -lgtest_main -ldl -lpthread)
-[ -f /usr/local/cuda/lib/libcudart_static.a ] && LIBS+=(/usr/local/cuda/lib/libcudart_static.a -lrt)
+for d in "$CUDA_INC/../lib64" "$CUDA_INC/../lib" /usr/local/cuda/lib64 /usr/local/cuda/lib; do
+  if [ -f "$d/libcudart_static.a" ]; then LIBS+=("$d/libcudart_static.a" -lrt); break; fi
+done
 
 # run NAME FLAGS ENV: build the objects (one directory per sanitizer) and run the filter.
 run() {
