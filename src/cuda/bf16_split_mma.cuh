@@ -58,6 +58,19 @@ MB_DEV int mb_opaque(int x) {
   return x;
 }
 
+// a * b rounded to float, never contracted with an add that follows it into one FMA (the
+// device's __fmul_rn). Where a later add is conditional at run time in one kernel and always
+// taken in another (a condition a compile-time shape folds), nvcc may fuse the product with
+// the add in the second only; this keeps the two kernels' bits equal. The host emulation (x86
+// without -mfma) never contracts.
+MB_DEV float mb_fmul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // ------------------------------------------------------------------ bf16 pair primitives
 
 MB_DEV uint32_t bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }

@@ -645,7 +645,11 @@ MB_DEV void lean_scores(const AT& a, const MbLayout& L, float* sm, const LeanTil
           if (tk < tq) {
             val = sv * Wr[tk];
           } else if (tk == tq) {
-            val = gamma[tq] * sv;
+            // Rounded before D is added (mb_fmul_rn): with R = 1 compile-time (the kernels
+            // specialised to N128 P64 R1 C64) ri == rj folds to true and nvcc fused this
+            // product with the add into one FMA, where the generic kernel (runtime R: the add
+            // conditional) rounds it first: other Y, dz, dmimo_o / dmimo_z bits (session 10).
+            val = mb_fmul_rn(gamma[tq], sv);
             if (ri == rj) val += Dv;
             if (tq < Lc) rt_st(o.p, obase + tq * os2 + ri * os3 + rj * os4, o.dt, sv);
           }

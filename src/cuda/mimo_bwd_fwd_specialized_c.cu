@@ -6,7 +6,7 @@
 namespace mamba3::cuda::mimo {
 
 bool lean_specialized_layout_k3(const MbArgs& a, int nt, int st, LeanLaunch* k3) {
-  // The shapes of mimo_bwd_fwd_specialized_{a,b}.cu (not (128, 64, 1, 64): see there).
+  // The shapes of mimo_bwd_fwd_specialized_{a,b}.cu.
   return lean_specialized_layout_shape<16, 64, 4, 8>(a, nt, st, k3) ||
          lean_specialized_layout_shape<32, 64, 4, 16>(a, nt, st, k3) ||
          lean_specialized_layout_shape<64, 64, 4, 16>(a, nt, st, k3) ||
@@ -16,7 +16,8 @@ bool lean_specialized_layout_k3(const MbArgs& a, int nt, int st, LeanLaunch* k3)
          lean_specialized_layout_shape<128, 32, 4, 16>(a, nt, st, k3) ||
          lean_specialized_layout_shape<128, 128, 4, 8>(a, nt, st, k3) ||
          lean_specialized_layout_shape<128, 64, 8, 8>(a, nt, st, k3) ||
-         lean_specialized_layout_shape<128, 64, 2, 32>(a, nt, st, k3);
+         lean_specialized_layout_shape<128, 64, 2, 32>(a, nt, st, k3) ||
+         lean_specialized_layout_shape<128, 64, 1, 64>(a, nt, st, k3);
 }
 
 }  // namespace mamba3::cuda::mimo

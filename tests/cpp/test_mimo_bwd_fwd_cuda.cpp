@@ -318,8 +318,8 @@ TEST(MimoBwdFwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
 }
 
 // The lean kernels specialised to the reference shapes (compile-time N, P, R, C) give the bits
-// of the generic lean kernels (MAMBA3_MIMO_SPECIALIZED=0) at each of those shapes (R1 C64 has no
-// specialisation: there both runs take the generic kernels): reduce-O with
+// of the generic lean kernels (MAMBA3_MIMO_SPECIALIZED=0) at each of those shapes (R1 C64 since
+// session 16, after lean_scores' diagonal product was kept from an FMA contraction): reduce-O with
 // the gate (bf16 dz: the specialised epilogue), with the gate and the norm, per-rank dout without
 // the gate; whole and partial chunks.
 TEST(MimoBwdFwdCuda, SpecializedKernelsGiveIdenticalBits) {

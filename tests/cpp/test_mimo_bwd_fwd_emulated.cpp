@@ -86,6 +86,8 @@ Body lean_body_ct_layout(bool k1, const mimo::MbArgs& a) {
     return k1 ? lean_ct_layout<true, 128, 64, 4, 16> : lean_ct_layout<false, 128, 64, 4, 16>;
   if (a.N == 16 && a.P == 64 && a.R == 4 && a.C == 8)
     return k1 ? lean_ct_layout<true, 16, 64, 4, 8> : lean_ct_layout<false, 16, 64, 4, 8>;
+  if (a.N == 128 && a.P == 64 && a.R == 1 && a.C == 64)
+    return k1 ? lean_ct_layout<true, 128, 64, 1, 64> : lean_ct_layout<false, 128, 64, 1, 64>;
   return nullptr;
 }
 
@@ -493,6 +495,10 @@ TEST(MimoBwdFwdEmulated, ContiguousLayoutKernelsGiveIdenticalBits) {
   Shape c8{1, 21, 2, 1, 16, 64, 4, 8, 4, true, true, true, false, 0, kF, kBF, 256};
   c8.ct_bits = true;
   check_case(c8, 95);
+  // N128 P64 R1 C64 (specialised since session 16): a whole chunk and a partial one.
+  Shape r1{1, 100, 1, 1, 128, 64, 1, 64, 4, true, true, true, false, 0, kF, kBF, 512};
+  r1.want_st = 2, r1.ct_bits = true;
+  check_case(r1, 97);
 }
 
 }  // namespace
