@@ -22,12 +22,13 @@
 # report fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
 BUILD_DIR=${BUILD_DIR:-build}
 B=$(cd "$BUILD_DIR" && pwd)
 MODE=${1:-both}
 SLOW='*SpecialisedGivesIdenticalBits:*ContiguousLayoutGivesIdenticalBits:*CombinedLayoutGivesIdenticalBits:*ContiguousLayoutKernelsGiveIdenticalBits'
 FILTER=${2:-"*Emulated.*-$SLOW"}
+REPORT='WARNING: ThreadSanitizer|ERROR: AddressSanitizer|runtime error:'  # a sanitizer's report
+case "$MODE" in tsan | asan | both) ;; *) echo "mode: tsan, asan or both" >&2; exit 2 ;; esac
 [ -f "$B/libmamba3.so" ] && [ -f "$B/libmamba3_golden.a" ] || {
   echo "no $B/libmamba3.so / libmamba3_golden.a: run scripts/build_and_test.sh first" >&2; exit 2; }
 grep -q "MAMBA3_CUDA:BOOL=ON" "$B/CMakeCache.txt" 2>/dev/null || {
@@ -66,7 +67,7 @@ run() {
     echo "== $name: the planted fault ($plant) was NOT reported: this sanitizer run proves nothing" >&2
     return 1
   fi
-  if grep -q -E "WARNING: ThreadSanitizer|ERROR: AddressSanitizer|runtime error:" "$dir/probe_clean.log"; then
+  if grep -q -E "$REPORT" "$dir/probe_clean.log"; then
     echo "== $name: the clean probe was reported ($dir/probe_clean.log)" >&2
     return 1
   fi
@@ -75,20 +76,20 @@ run() {
   local log="$dir/run.log" t0=$SECONDS rc=0
   env $envs "$dir/emu_tests" --gtest_filter="$FILTER" > "$log" 2>&1 || rc=$?
   local reports
-  reports=$(grep -c -E "WARNING: ThreadSanitizer|ERROR: AddressSanitizer|runtime error:" "$log" || true)
+  reports=$(grep -c -E "$REPORT" "$log" || true)
   echo "== $name: $(grep -E '^\[  (PASSED|FAILED)' "$log" | tr '\n' ' ')rc=$rc, sanitizer reports: $reports ($((SECONDS - t0)) s; log $log)"
   if [ "$rc" != 0 ] || [ "$reports" != 0 ]; then
-    grep -E -A14 "WARNING: ThreadSanitizer|ERROR: AddressSanitizer|runtime error:|^\[  FAILED" "$log" | head -60
+    grep -E -A14 "$REPORT|^\[  FAILED" "$log" | head -60
     return 1
   fi
 }
 
 status=0
-case "$MODE" in
-  tsan | both) run tsan "-fsanitize=thread" "TSAN_OPTIONS=halt_on_error=0:history_size=2" || status=1 ;;&
-  asan | both) run asan "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
-                 "ASAN_OPTIONS=detect_leaks=0" || status=1 ;;
-  tsan) ;;
-  *) echo "mode: tsan, asan or both" >&2; exit 2 ;;
-esac
+if [ "$MODE" != asan ]; then
+  run tsan "-fsanitize=thread" "TSAN_OPTIONS=halt_on_error=0:history_size=2" || status=1
+fi
+if [ "$MODE" != tsan ]; then
+  run asan "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
+    "ASAN_OPTIONS=detect_leaks=0" || status=1
+fi
 exit $status
