@@ -49,6 +49,10 @@ constexpr int kUnits = 4;  // positions per warp per block (even: the pipeline a
 
 struct SplitArgs : DqkTensors {
   int WH, WR, PB, nblk;
+  uint32_t q_ssb, gi_ssb;  // q/k and dq_in/dk_in position strides in bytes (the walk's steps)
+  // From a batch row's last position to the next row's first: stride_b - (S - 1) stride_s per
+  // offset (q/k, dq_in/dk_in in bytes), modulo 2^32 (the sum lands on a valid offset).
+  uint32_t wrq, wrg, wra, wrs;
   int tab_off;  // float offset of the bias table in shared memory (whole-group layout)
   // fused: launched cooperatively; after a grid barrier the CTAs also sum the bias partials into
   // dq_bias / dk_bias (else bias_reduce_kernel does, as for the other kernels).
@@ -57,44 +61,73 @@ struct SplitArgs : DqkTensors {
   int64_t dqb_sh, dqb_sn, dkb_sh, dkb_sn;
 };
 
-// A position (flattened row = b * S + s) of the walk, with its element offsets (without the head
-// and column terms) into q/k, dq_in/dk_in, angles/dangles and the row scalars. A position past the
-// last row is marked invalid and points at row 0, so that its loads need no branch (their values
-// are never used for an output).
+// This lane's head and column terms of the walk's offsets (LaneOff) and its row-scalar pointer.
+// q/k and dq_in/dk_in: byte offsets (the host checks that every byte offset of those tensors
+// fits in 31 bits); angles/dangles: element offsets. Unsigned, so that base + offset is a
+// zero-extending add (no sign word per address). The row scalars' head term stays in `rs` (and
+// is added again for the dscale / dgamma stores): one register less, which the whole-group
+// walk's three-deep pipeline needs (it spilled with a fourth lane term).
+struct LaneOff {
+  uint32_t q, g, a;
+};
+struct LanePtrs {
+  LaneOff o;
+  const float* rs;  // scale, gamma or dqk by the lane's column, at the lane's head
+};
+
+// A position (flattened row = b * S + s) of the walk, with this lane's offsets into q/k (bytes),
+// dq_in/dk_in (bytes) and angles/dangles (elements), head and column terms included, and the
+// row scalars' element offset without its head term: the walk advances them by constant
+// strides, and the loads and stores use them as they are. A position past the last row is
+// marked invalid and points at a valid row (row 0, or the walk's previous one), so that its loads
+// need no branch (their values are never used for an output).
 struct Pos {
   int b, s;
-  int oq, og, oa, os;
+  uint32_t oq, og, oa, os;
   bool val;
 };
 
-__device__ __forceinline__ void pos_offsets(Pos& p, const SplitArgs& a) {
-  p.oq = p.b * a.q_sb + p.s * a.q_ss;
-  p.og = p.b * a.gi_sb + p.s * a.gi_ss;
-  p.oa = p.b * a.an_sb + p.s * a.an_ss;
-  p.os = p.b * a.sm_sb + p.s * a.sm_ss;
+// The same offsets as b * stride_b + s * stride_s + lane term, in 32 bits (they all fit).
+__device__ __forceinline__ void pos_offsets(Pos& p, const SplitArgs& a, const LaneOff& l) {
+  const uint32_t b = static_cast<uint32_t>(p.b), s = static_cast<uint32_t>(p.s);
+  p.oq = l.q + 2u * (b * static_cast<uint32_t>(a.q_sb) + s * static_cast<uint32_t>(a.q_ss));
+  p.og = l.g + 2u * (b * static_cast<uint32_t>(a.gi_sb) + s * static_cast<uint32_t>(a.gi_ss));
+  p.oa = l.a + b * static_cast<uint32_t>(a.an_sb) + s * static_cast<uint32_t>(a.an_ss);
+  p.os = b * static_cast<uint32_t>(a.sm_sb) + s * static_cast<uint32_t>(a.sm_ss);
+}
+
+// One position further along s: every offset plus its stride (q/k and dq_in/dk_in in bytes).
+__device__ __forceinline__ void pos_advance(Pos& p, const SplitArgs& a) {
+  p.oq += a.q_ssb, p.og += a.gi_ssb;
+  p.oa += static_cast<uint32_t>(a.an_ss), p.os += static_cast<uint32_t>(a.sm_ss);
 }
 
 // `lim`: the end of the rows this warp walks (a.rows, or the end of its range).
-__device__ __forceinline__ Pos pos_of(int row, int lim, const SplitArgs& a) {
+__device__ __forceinline__ Pos pos_of(int row, int lim, const SplitArgs& a, const LaneOff& l) {
   Pos p;
   p.val = row < lim;
   const uint32_t r = p.val ? static_cast<uint32_t>(row) : 0u;
   const uint32_t q = r / static_cast<uint32_t>(a.S);
   p.b = static_cast<int>(q);
   p.s = static_cast<int>(r - q * static_cast<uint32_t>(a.S));
-  pos_offsets(p, a);
+  pos_offsets(p, a, l);
   return p;
 }
 
-// The next row of a block: offsets advanced by one position (no division).
+// The next row: offsets advanced by one position, or across a batch row's end by the host's
+// wrap deltas (no division, no lane terms: the walks keep no lane terms live for this). Past
+// `lim` the position is invalid and keeps the previous one's offsets (a valid row, so its loads
+// need no branch either).
 __device__ __forceinline__ Pos pos_next(Pos p, int row_next, int lim, const SplitArgs& a) {
-  if (row_next >= lim) return pos_of(row_next, lim, a);
-  p.val = true;
+  if (row_next >= lim) {
+    p.val = false;
+    return p;
+  }
   if (++p.s == a.S) {
     p.s = 0, ++p.b;
-    pos_offsets(p, a);
+    p.oq += a.wrq, p.og += a.wrg, p.oa += a.wra, p.os += a.wrs;
   } else {
-    p.oq += a.q_ss, p.og += a.gi_ss, p.oa += a.an_ss, p.os += a.sm_ss;
+    pos_advance(p, a);
   }
   return p;
 }
@@ -108,28 +141,19 @@ struct Buf {
   float rs;
 };
 
-// This lane's head and columns folded in once: byte offsets into q/k (shared) and into
-// dq_in/dk_in (shared; the bases stay kernel parameters: one register each instead of two
-// 64-bit pointers per pair), pointers into the angles and its row scalar.
-struct LanePtrs {
-  int qo, go;
-  const float *ang, *rs;
-};
-
 template <int N>
 __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l, const Pos& p,
                                           Buf& u) {
   constexpr int kH = N / 2 * 2;  // byte offset of run 1
-  const int oq = l.qo + p.oq * 2, og = l.go + p.og * 2;
-  ld_global_words<8>(a.q + oq, u.q);
-  ld_global_words<8>(a.q + oq + kH, u.q + 2);
-  ld_global_words<8>(a.k + oq, u.k);
-  ld_global_words<8>(a.k + oq + kH, u.k + 2);
-  ld_global_words<8>(a.dqi + og, u.x);
-  ld_global_words<8>(a.dqi + og + kH, u.x + 2);
-  ld_global_words<8>(a.dki + og, u.y);
-  ld_global_words<8>(a.dki + og + kH, u.y + 2);
-  ld_global_words<8>(l.ang + p.oa, u.an);
+  ld_global_words<8>(a.q + p.oq, u.q);
+  ld_global_words<8>(a.q + p.oq + kH, u.q + 2);
+  ld_global_words<8>(a.k + p.oq, u.k);
+  ld_global_words<8>(a.k + p.oq + kH, u.k + 2);
+  ld_global_words<8>(a.dqi + p.og, u.x);
+  ld_global_words<8>(a.dqi + p.og + kH, u.x + 2);
+  ld_global_words<8>(a.dki + p.og, u.y);
+  ld_global_words<8>(a.dki + p.og + kH, u.y + 2);
+  ld_global_words<8>(a.ang + p.oa, u.an);
   u.rs = __ldg(l.rs + p.os);
 }
 
@@ -154,9 +178,9 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   const int head = wh * HR + hr;  // within the group
   const int h = g * HG + head;
   LanePtrs lp;
-  lp.qo = (g * a.q_sg + 4 * col) * 2;
-  lp.go = (h * a.gi_sh + 4 * col) * 2;
-  lp.ang = a.ang + static_cast<int64_t>(h) * a.an_sh + 2 * col;
+  lp.o.q = static_cast<uint32_t>((g * a.q_sg + 4 * col) * 2);
+  lp.o.g = static_cast<uint32_t>((h * a.gi_sh + 4 * col) * 2);
+  lp.o.a = static_cast<uint32_t>(h * a.an_sh + 2 * col);
   lp.rs = (col == 0 ? a.sc : col == 1 ? a.ga : a.dqk) + static_cast<int64_t>(h) * a.sm_sh;
 
   // Block walk: this lane's bias columns in registers (float32; any dtype and stride). All 16
@@ -287,11 +311,10 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     float rv[2] = {dsc, qkd};
     row_reduce_t<2, LPR / 2>(rv, col);
     if (p.val) {
-      const int os = p.os + h * a.sm_sh;
+      const uint32_t os = p.os + static_cast<uint32_t>(h * a.sm_sh);
       if (col == 0) a.dsc[os] = rv[0];
       if (col == LPR / 2) a.dga[os] = dqk * rv[0];
-      *reinterpret_cast<float2*>(a.dang + (p.oa + h * a.an_sh + 2 * col)) =
-          make_float2(dan[0], dan[1]);
+      *reinterpret_cast<float2*>(a.dang + p.oa) = make_float2(dan[0], dan[1]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         sq[e] += dqp[e];
@@ -354,7 +377,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int gw = static_cast<int>(blockIdx.x * (blockDim.x >> 5)) + warp;
     const int r0 = static_cast<int>(static_cast<int64_t>(a.rows) * gw / nw);
     const int r1 = static_cast<int>(static_cast<int64_t>(a.rows) * (gw + 1) / nw);
-    Pos P0 = pos_of(r0, r1, a);
+    Pos P0 = pos_of(r0, r1, a, lp.o);
     load_unit<N>(a, lp, P0, A);
     fill_bias_table();  // while those loads are in flight
     int row = r0;
@@ -400,7 +423,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   } else {
     const int stride = static_cast<int>(gridDim.x);
     int blk = blockIdx.x;
-    Pos P = pos_of(blk * PB + wr * kUnits, a.rows, a);
+    Pos P = pos_of(blk * PB + wr * kUnits, a.rows, a, lp.o);
     load_unit<N>(a, lp, P, A);
     for (; blk < a.nblk; blk += stride) {
       const int row0 = blk * PB + wr * kUnits;
@@ -416,13 +439,13 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
           if (inner) {
             Pn = P;
             ++Pn.s;
-            Pn.oq += a.q_ss, Pn.og += a.gi_ss, Pn.oa += a.an_ss, Pn.os += a.sm_ss;
+            pos_advance(Pn, a);
           } else {
             Pn = pos_next(P, row0 + i + 1, a.rows, a);
           }
         } else {
           Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a.rows,
-                      a);
+                      a, lp.o);
         }
         load_unit<N>(a, lp, Pn, fill);
         float v[16];
@@ -665,6 +688,16 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   std::memset(&a, 0, sizeof(a));
   fill_dqk_tensors(a, p, ws);
   a.WH = WH, a.WR = WR, a.PB = PB, a.nblk = static_cast<int>(nblk);
+  // The walk's byte strides and wrap deltas, modulo 2^32 (every offset they reach fits).
+  a.q_ssb = static_cast<uint32_t>(p.q.strides[1] * 2);
+  a.gi_ssb = static_cast<uint32_t>(p.dq_in.strides[1] * 2);
+  auto wrap = [&](int64_t sb, int64_t ss, int64_t bytes) {
+    return static_cast<uint32_t>(static_cast<uint64_t>((sb - (p.S - 1) * ss) * bytes));
+  };
+  a.wrq = wrap(p.q.strides[0], p.q.strides[1], 2);
+  a.wrg = wrap(p.dq_in.strides[0], p.dq_in.strides[1], 2);
+  a.wra = wrap(p.angles.strides[0], p.angles.strides[1], 1);
+  a.wrs = wrap(p.scale.strides[0], p.scale.strides[2], 1);
   a.tab_off = 0;  // the table only in the whole-group walk, which has no head terms
   a.fused = fused;
   a.dqb = static_cast<float*>(p.dq_bias.data), a.dkb = static_cast<float*>(p.dk_bias.data);
