@@ -475,17 +475,26 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
             const float2 u0 = src[0], u1 = src[N / 2];
             s = make_float2(u0.x + u1.x, u0.y + u1.y);
           } else {
-            float2 c[4] = {src[0], src[N / 2], src[2 * (N / 2)], src[3 * (N / 2)]};
-#pragma unroll 2
-            for (int hh = 4; hh < HG; hh += 4) {
+            // kHG: HG at compile time (0: at run time). HG = 32 (the B4 / B8 layout: 32 heads
+            // per group at N = 128) is unrolled whole: no loop counter or remainder code in a
+            // part that every thread runs once per block. The same chains in the same order.
+            auto chains = [&](auto khg) {
+              constexpr int kHG = decltype(khg)::value;
+              const int hg = kHG > 0 ? kHG : HG;
+              float2 c[4] = {src[0], src[N / 2], src[2 * (N / 2)], src[3 * (N / 2)]};
+#pragma unroll(kHG > 0 ? 64 : 2)
+              for (int hh = 4; hh < hg; hh += 4) {
 #pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                const float2 u = src[(hh + j) * (N / 2)];
-                c[j].x += u.x, c[j].y += u.y;
+                for (int j = 0; j < 4; ++j) {
+                  const float2 u = src[(hh + j) * (N / 2)];
+                  c[j].x += u.x, c[j].y += u.y;
+                }
               }
-            }
-            s = make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
-                            (c[0].y + c[1].y) + (c[2].y + c[3].y));
+              return make_float2((c[0].x + c[1].x) + (c[2].x + c[3].x),
+                                 (c[0].y + c[1].y) + (c[2].y + c[3].y));
+            };
+            s = HG == 32 ? chains(std::integral_constant<int, 32>{})
+                         : chains(std::integral_constant<int, 0>{});
           }
           const int off = row_off[pb];
           if (off >= 0) {
