@@ -71,6 +71,19 @@ MB_DEV float mb_fmul_rn(float a, float b) {
 #endif
 }
 
+// a * b + c as one FMA (the device's __fmaf_rn) where nvcc would otherwise choose which of two
+// products to fuse: in x1 sn + x2 cs it fused x1 sn in one kernel and x2 cs in its
+// compile-time-shape copy (the second pass's K1 at R = 1). With the products written as
+// mb_fma_rn(x1, sn, mb_fmul_rn(x2, cs)) every copy computes the same. The host emulation
+// computes a * b + c unfused, as before.
+MB_DEV float mb_fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // ------------------------------------------------------------------ bf16 pair primitives
 
 MB_DEV uint32_t bf2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }

@@ -637,10 +637,14 @@ BB_DEV void rotated_pair_rows(const AT& a, const RotSrc<V> (&src)[NX], Bias bias
             if (r < R) {
               const int row = (i << lgR) + r;
               float2 y1 = x1[u], y2 = x2[u];
+              // Which product is fused is fixed (mb_fma_rn): nvcc chose differently in the
+              // R = 1 contiguous-layout copies, whose bits then differed from the generic K1's.
               if (n < A)
-                y1.x = x1[u].x * cs.x - x2[u].x * sn.x, y2.x = x1[u].x * sn.x + x2[u].x * cs.x;
+                y1.x = mimo::mb_fma_rn(x1[u].x, cs.x, -mimo::mb_fmul_rn(x2[u].x, sn.x)),
+                y2.x = mimo::mb_fma_rn(x1[u].x, sn.x, mimo::mb_fmul_rn(x2[u].x, cs.x));
               if (n + 1 < A)
-                y1.y = x1[u].y * cs.y - x2[u].y * sn.y, y2.y = x1[u].y * sn.y + x2[u].y * cs.y;
+                y1.y = mimo::mb_fma_rn(x1[u].y, cs.y, -mimo::mb_fmul_rn(x2[u].y, sn.y)),
+                y2.y = mimo::mb_fma_rn(x1[u].y, sn.y, mimo::mb_fmul_rn(x2[u].y, cs.y));
               if (scale != nullptr) y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
               st_split_pair(out, row * out.ld + n, y1);
               st_split_pair(out, row * out.ld + half + n, y2);
