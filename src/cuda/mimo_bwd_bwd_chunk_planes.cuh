@@ -1043,17 +1043,7 @@ inline bool ct_layout_ok(const Args& a, CtSet set) {
   if (gate && !a.bf16_z_pairs) return false;
   const int64_t B = a.B, S = a.S, H = a.H, G = a.G, N = a.N, P = a.P, R = a.R, C = a.C,
                 A = a.A, nch = a.nch;
-  // w is dtype dt and contiguous of the given shape, with at most 2^30 elements.
-  auto is = [](const View& w, int dt, std::initializer_list<int64_t> shape) {
-    if (w.p == nullptr || w.dt != dt) return false;
-    int64_t st = 1;
-    int i = static_cast<int>(shape.size());
-    for (auto it = std::rbegin(shape); it != std::rend(shape); ++it) {
-      if (w.s[--i] != st) return false;
-      st *= *it;
-    }
-    return st <= (int64_t{1} << 30);
-  };
+  constexpr auto is = &rt_contiguous_of<View>;  // (rt_dtype.cuh)
   const int F32 = kCtF32, BF16 = kCtBF16;
   const int DS = gate ? F32 : BF16, DQ = gate ? F32 : BF16;  // (as ArgsCT<.., set>)
   return is(a.dout, BF16, {B, S, H, P}) && is(a.v, BF16, {B, S, H, P}) &&

@@ -50,17 +50,7 @@ inline bool lean_ct_layout_ok(const MbArgs& a) {
     return false;
   const int64_t B = a.B, S = a.S, H = a.H, G = a.G, N = a.N, P = a.P, R = a.R, C = a.C,
                 A = a.A, nch = a.nch;
-  // w has dtype dt and is contiguous of the given shape, with at most 2^30 elements.
-  auto is = [](const MbView& w, int dt, std::initializer_list<int64_t> shape) {
-    if (w.p == nullptr || w.dt != dt) return false;
-    int64_t st = 1;
-    int i = static_cast<int>(shape.size());
-    for (auto it = std::rbegin(shape); it != std::rend(shape); ++it) {
-      if (w.s[--i] != st) return false;
-      st *= *it;
-    }
-    return st <= (int64_t{1} << 30);
-  };
+  constexpr auto is = &rt_contiguous_of<MbView>;  // (rt_dtype.cuh)
   const int F32 = 2, BF16 = 1;
   return is(a.dout, BF16, {B, S, H, P}) && is(a.v, BF16, {B, S, H, P}) &&
          is(a.z, BF16, {B, S, H, P}) && is(a.dz, BF16, {B, S, H, P}) &&

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <iterator>
 
 #if defined(__CUDACC__)
 #define RT_DEV __device__ __forceinline__
@@ -17,6 +19,21 @@
 #endif
 
 namespace mamba3::cuda {
+
+// Host: whether the view w (fields p, dt and element strides s[]) has dtype dt and is contiguous
+// with the given shape, of at most 2^30 elements: the condition under which the kernels
+// compiled for contiguous layouts (both MIMO passes) may take it, with 32-bit offsets.
+template <class V>
+inline bool rt_contiguous_of(const V& w, int dt, std::initializer_list<int64_t> shape) {
+  if (w.p == nullptr || w.dt != dt) return false;
+  int64_t st = 1;
+  int i = static_cast<int>(shape.size());
+  for (auto it = std::rbegin(shape); it != std::rend(shape); ++it) {
+    if (w.s[--i] != st) return false;
+    st *= *it;
+  }
+  return st <= (int64_t{1} << 30);
+}
 
 // Element `off` of the tensor at byte pointer p, as float.
 RT_DEV float rt_ld(const unsigned char* p, int64_t off, int dt) {
