@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kNT, 1) mimo_chunk_pass_kernel(const __grid_co
 // The lean bf16 path (mimo_bwd_fwd_lean.cuh), one instantiation per thread count (256, 512)
 // and state-tile count: every pair is reachable (ST <= 8 with either count).
 template <int NT, int ST>
-__global__ void __launch_bounds__(NT, 1)
+__global__ void __launch_bounds__(NT, mimo::lean_k1_min_blocks(NT, ST))
     mimo_lean_local_scan_kernel(const __grid_constant__ MbArgs a) {
   extern __shared__ float4 smem4[];
   mimo::k1_lean_body<NT, ST>(a, reinterpret_cast<float*>(smem4));

@@ -1467,6 +1467,17 @@ inline size_t mb_align256(size_t x) { return (x + 255) & ~static_cast<size_t>(25
 // where per-chunk latency dominates); every larger N is 17-45% slower with 256.
 constexpr int lean_nt_rule(int N) { return N <= 16 ? 256 : 512; }
 
+// The lean K1's CTAs per SM (its launch bounds' minimum; the plan's K1 slots). Two at 512
+// threads where 64 registers can hold the state tiles (up to four per warp): one CTA's barrier
+// waits, prologue and final stores then overlap the other's work. At one CTA per SM (its 70-88
+// registers allowed no more) K1 ran ~4.8 us per chunk per SM at N128 P64 R4 C16, half of K3's
+// whole chunk. ptxas at 64 registers: the shape copies spill nothing at one tile per warp, 12
+// bytes at two (one value kept across the chunk loop's barrier), ~90 at four; the generic
+// kernels 128 / 236 bytes at two / four. Measured on the H200 with the plan's K1 slots to match
+// (docs/PERF.md, session 18): the shape copies 26-45% faster at every 512-thread grid shape,
+// the generic kernels 13-32%. Eight tiles per warp need their registers: one CTA.
+constexpr int lean_k1_min_blocks(int NT, int ST) { return NT == 512 && ST <= 4 ? 2 : 1; }
+
 // The value of MAMBA3_MIMO_LEAN_NT (A/B measurements): 256 or 512, 0 when unset or empty, -1
 // when invalid.
 inline int parse_lean_nt(const char* s) {
@@ -1589,7 +1600,11 @@ inline MbPlan make_mimo_plan(const MbProblem& pr, const MbDevice& dev, int lean_
     return std::max(1, std::min(cap, n));
   };
   const double slots3 = static_cast<double>(dev.sms) * occ(pl.smem3, 2);
-  const double slots1 = static_cast<double>(dev.sms) * occ(pl.smem1, 4);
+  // K1: the lean 512-thread kernels' registers allow lean_k1_min_blocks CTAs per SM (more
+  // would take fewer registers than their launch bounds); the other K1s up to 4 as shared memory
+  // allows.
+  const int k1_cap = pl.lean && pl.nt == 512 ? lean_k1_min_blocks(pl.nt, pl.lean) : 4;
+  const double slots1 = static_cast<double>(dev.sms) * occ(pl.smem1, k1_cap);
   const double T = static_cast<double>(C) * R;
   const double f3 = 4.0 * T * N * P + T * T * N + 0.5 * T * T * P;  // FLOP/2 per K3 chunk
   const double f1 = 2.0 * T * N * P;

@@ -138,7 +138,7 @@ struct MbArgsCT<N_, P_, R_, C_, true> : MbArgsShapeCT<N_, P_, R_, C_> {
 
 #if defined(__CUDACC__)
 template <int NT, int ST, int N, int P, int R, int C, bool CL = false>
-__global__ void __launch_bounds__(NT, 1)
+__global__ void __launch_bounds__(NT, lean_k1_min_blocks(NT, ST))
     mimo_lean_local_scan_ct_kernel(const __grid_constant__ MbArgsCT<N, P, R, C, CL> a) {
   extern __shared__ float4 smem4[];
   k1_lean_body<NT, ST>(a, reinterpret_cast<float*>(smem4));
