@@ -40,13 +40,17 @@ __global__ void __launch_bounds__(kPlanesThreads, 1)
   chunk_planes_body(a, planes_smem);
 }
 
-// K1 specialised: 3 CTAs per SM (<= 85 registers; ptxas: 55-72 at the grid's shapes, no
-// spills), for every grid shape but N16 (ct_k1_of). At the generic kernel's 4 (64 registers) the
-// specialised copies spilled 24-216 bytes in session 10 (the folded shapes unroll more and keep
-// more values live; the unrolled rank loop of rotated_pair_rows, since rolled, was one cause at
-// R = 8).
+// K1 specialised: 4 CTAs per SM (<= 64 registers), for every grid shape but N16 (ct_k1_of).
+// ptxas at 64: 43-64 registers, no spills at any grid shape or operand set. In session 10 the
+// specialised copies spilled 24-216 bytes at 64 registers (the folded shapes unroll more and
+// keep more values live; the unrolled rank loop of rotated_pair_rows, since rolled, was one
+// cause at R = 8), so they ran at 3 per SM. Since then only the contiguous-layout copies at
+// N256 P64 and N128 P128 (C8; 65 registers) and the shape-only copy at R2 C32 (72) needed more
+// than 64: the two C8 copies' K1 measured 9-10% faster at 4 per SM (H200, session 18); the
+// shape-only copies were rescheduled by ptxas (their layouts are not the benchmark's) and not
+// timed.
 template <int N, int P, int R, int C, int CL>
-__global__ void __launch_bounds__(kIncPlanesThreads, 3)
+__global__ void __launch_bounds__(kIncPlanesThreads, 4)
     bb_increment_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
   extern __shared__ __align__(16) unsigned char inc_planes_smem[];
   increment_planes_body(a, inc_planes_smem);
