@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kThreads) bb_increment_kernel(const __grid_con
 }
 
 // 4 CTAs per SM (<= 64 registers, no spills; ~53 KB of shared memory each at N128 P64 R4 C16).
-__global__ void __launch_bounds__(bb::kIncPlanesThreads, 4)
+__global__ void __launch_bounds__(bb::kIncPlanesThreads, bb::kIncPlanesMinBlocks)
     bb_increment_planes_kernel(const __grid_constant__ Args a) {
   extern __shared__ __align__(16) unsigned char inc_planes_smem[];
   bb::increment_planes_body(a, inc_planes_smem);

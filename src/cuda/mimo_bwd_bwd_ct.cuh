@@ -40,7 +40,8 @@ __global__ void __launch_bounds__(kPlanesThreads, 1)
   chunk_planes_body(a, planes_smem);
 }
 
-// K1 specialised: 4 CTAs per SM (<= 64 registers), for every grid shape but N16 (ct_k1_of).
+// K1 specialised: kIncPlanesMinBlocks (4) CTAs per SM, as the generic kernel (<= 64 registers),
+// for every grid shape but N16 (ct_k1_of).
 // ptxas at 64: 43-64 registers, no spills at any grid shape or operand set. In session 10 the
 // specialised copies spilled 24-216 bytes at 64 registers (the folded shapes unroll more and
 // keep more values live; the unrolled rank loop of rotated_pair_rows, since rolled, was one
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(kPlanesThreads, 1)
 // shape-only copies were rescheduled by ptxas (their layouts are not the benchmark's) and not
 // timed.
 template <int N, int P, int R, int C, int CL>
-__global__ void __launch_bounds__(kIncPlanesThreads, 4)
+__global__ void __launch_bounds__(kIncPlanesThreads, kIncPlanesMinBlocks)
     bb_increment_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
   extern __shared__ __align__(16) unsigned char inc_planes_smem[];
   increment_planes_body(a, inc_planes_smem);

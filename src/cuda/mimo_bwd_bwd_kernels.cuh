@@ -95,6 +95,9 @@ inline int bb_min(int a, int b) { return std::min(a, b); }
 // computed once on the host (planes_layout).
 constexpr int kPlanesThreads = 512;        // 16 warps: one CTA per SM holds the whole chunk
 constexpr int kIncPlanesThreads = 256;     // K1 on planes: ~50 KB per CTA, several per SM
+// K1 on planes, generic and shape copies: CTAs per SM of its launch bounds (<= 64 registers;
+// ptxas: no spills at any grid shape; mimo_bwd_bwd_ct.cuh has the measurements).
+constexpr int kIncPlanesMinBlocks = 4;
 constexpr int kPlanesWarps = kPlanesThreads / 32;
 constexpr int kPlanesTilesPerWarp = 2;     // 16 x 16 tiles of dqh, dkh, dx kept per warp
 constexpr int64_t kPlanesSmemMax = 227 * 1024;  // the H100 / H200 per-block opt-in limit
