@@ -318,9 +318,21 @@ MB_DEV void lean_prefetch_chunk(const AT& a, const MbCta& k, int c) {
 // Qh (if Q) and Kh of chunk c: biased, rotated, split. One task = four adjacent columns
 // n .. n + 3 of one row i = t R + r and their rotation partners n + N/2 ..; A is a multiple of
 // 4, so a task's columns rotate together. Loads of four elements as LM (a.lean_ld).
-template <int NT, bool K, bool Q, int LM, class AT>
+// The raw quads of a thread's first two tasks (lean_build_qk_t's MODE 1 / 2).
+struct LeanQkRaw {
+  uint2 ka, kb, qa, qb;
+};
+struct LeanQkPre {
+  LeanQkRaw u0, u1;
+};
+
+// MODE 0: the whole build. MODE 1: only the loads of the thread's first pair of tasks, into
+// *pre (K3 issues them with the other builds' loads, then computes: one L2 round trip for
+// all of them). MODE 2: the build, the first pair from *pre. Tasks in pairs (PAIR; K3) load
+// both tasks first; without PAIR (K1, where the pairs measured slower) one task at a time.
+template <int NT, bool K, bool Q, int LM, int MODE = 0, bool PAIR = Q, class AT>
 MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
-                            const MbCta& k, int c) {
+                            const MbCta& k, int c, LeanQkPre* pre = nullptr) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0);
   const int N = a.N, half = a.half, A = a.A, lgR = a.lgR, Rm = a.R - 1, T = a.Tb, ldN = tt.ldN;
   const int CA = a.C * A, ang = L.ang;
@@ -336,8 +348,24 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
                              (Q ? k.b * a.q.s[0] + s0 * qs1 + k.g * a.q.s[3] : 0);
   const float* kbias = sm + L.kb;
   const float* qbias = sm + L.qb;
-  // koff / qoff: the task's element offsets from kc / qc.
-  auto task = [&](int i, int n, O koff, O qoff) {
+  // A task's raw bf16 quads: k and q at columns n.. and half + n.. (zero past the sequence).
+  using Raw = LeanQkRaw;
+  auto load = [&](int i, O koff, O qoff) {
+    const uint2 z = make_uint2(0u, 0u);
+    Raw u{z, z, z, z};
+    if ((i >> lgR) < Lc) {
+      const unsigned short* kp = kc + koff;
+      if (K) u.ka = ld_raw4<LM>(kp, ksn), u.kb = ld_raw4<LM>(kp + kh, ksn);
+      if (Q) {
+        const unsigned short* qp = qc + qoff;
+        u.qa = ld_raw4<LM>(qp, qsn), u.qb = ld_raw4<LM>(qp + qh, qsn);
+      }
+    }
+    return u;
+  };
+  // raw(): the task's quads, called after the angles are read (one task at a time the loads
+  // then follow the angles, as before the pairs: fewer live values where sincosf runs).
+  auto task = [&](int i, int n, auto&& raw) {
     const int t = i >> lgR, r = i & Rm;
     // The angles first: without the table, sincosf's slow path then runs with few live values.
     float4 cs = make_float4(1.f, 1.f, 1.f, 1.f), sn = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -362,15 +390,8 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
       }
     }
     float4 k1 = make_float4(0.f, 0.f, 0.f, 0.f), k2 = k1, q1 = k1, q2 = k1;
+    const Raw u = raw();
     if (t < Lc) {
-      const unsigned short* kp = kc + koff;
-      uint2 ka = make_uint2(0u, 0u), kb = ka;
-      if (K) ka = ld_raw4<LM>(kp, ksn), kb = ld_raw4<LM>(kp + kh, ksn);
-      uint2 qa = make_uint2(0u, 0u), qb = qa;
-      if (Q) {
-        const unsigned short* qp = qc + qoff;
-        qa = ld_raw4<LM>(qp, qsn), qb = ld_raw4<LM>(qp + qh, qsn);
-      }
       // Raw bf16 quads (columns n.., half + n..) plus the bias row of rank r.
       auto biased = [&](uint2 ua, uint2 ub, const float* bias, float4& x1, float4& x2) {
         const float4 fa = bf4_f(ua), fb = bf4_f(ub);
@@ -379,22 +400,35 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
         x1 = make_float4(fa.x + ba.x, fa.y + ba.y, fa.z + ba.z, fa.w + ba.w);
         x2 = make_float4(fb.x + bb.x, fb.y + bb.y, fb.z + bb.z, fb.w + bb.w);
       };
-      if (K) biased(ka, kb, kbias, k1, k2);
-      if (Q) biased(qa, qb, qbias, q1, q2);
+      if (K) biased(u.ka, u.kb, kbias, k1, k2);
+      if (Q) biased(u.qa, u.qb, qbias, q1, q2);
     }
-    // (a, b) -> (a cos - b sin, a sin + b cos) on the pairs (n, n + N/2).
+    // (a, b) -> (a cos - b sin, a sin + b cos) on the pairs (n, n + N/2). Which product is
+    // fused is fixed (mb_fma_rn, as the second pass's planes K1): left to nvcc, it chose
+    // differently in the copies whose builds issue their loads in pairs, whose Kh / Qh bits
+    // then differed from the generic kernels'.
+    auto rot = [](const float4& x1, const float4& x2, const float4& c, const float4& s,
+                  float4& y1, float4& y2) {
+      y1.x = mb_fma_rn(x1.x, c.x, -mb_fmul_rn(x2.x, s.x));
+      y1.y = mb_fma_rn(x1.y, c.y, -mb_fmul_rn(x2.y, s.y));
+      y1.z = mb_fma_rn(x1.z, c.z, -mb_fmul_rn(x2.z, s.z));
+      y1.w = mb_fma_rn(x1.w, c.w, -mb_fmul_rn(x2.w, s.w));
+      y2.x = mb_fma_rn(x1.x, s.x, mb_fmul_rn(x2.x, c.x));
+      y2.y = mb_fma_rn(x1.y, s.y, mb_fmul_rn(x2.y, c.y));
+      y2.z = mb_fma_rn(x1.z, s.z, mb_fmul_rn(x2.z, c.z));
+      y2.w = mb_fma_rn(x1.w, s.w, mb_fmul_rn(x2.w, c.w));
+    };
     const int e1 = i * ldN + n, e2 = e1 + half;
+    float4 y1, y2;
     if (K) {
-      st_split4(tt.Kh.h, tt.Kh.plane, e1, k1.x * cs.x - k2.x * sn.x, k1.y * cs.y - k2.y * sn.y,
-                k1.z * cs.z - k2.z * sn.z, k1.w * cs.w - k2.w * sn.w);
-      st_split4(tt.Kh.h, tt.Kh.plane, e2, k1.x * sn.x + k2.x * cs.x, k1.y * sn.y + k2.y * cs.y,
-                k1.z * sn.z + k2.z * cs.z, k1.w * sn.w + k2.w * cs.w);
+      rot(k1, k2, cs, sn, y1, y2);
+      st_split4(tt.Kh.h, tt.Kh.plane, e1, y1.x, y1.y, y1.z, y1.w);
+      st_split4(tt.Kh.h, tt.Kh.plane, e2, y2.x, y2.y, y2.z, y2.w);
     }
     if (Q) {
-      st_split4(tt.Qh.h, tt.Qh.plane, e1, q1.x * cs.x - q2.x * sn.x, q1.y * cs.y - q2.y * sn.y,
-                q1.z * cs.z - q2.z * sn.z, q1.w * cs.w - q2.w * sn.w);
-      st_split4(tt.Qh.h, tt.Qh.plane, e2, q1.x * sn.x + q2.x * cs.x, q1.y * sn.y + q2.y * cs.y,
-                q1.z * sn.z + q2.z * cs.z, q1.w * sn.w + q2.w * cs.w);
+      rot(q1, q2, cs, sn, y1, y2);
+      st_split4(tt.Qh.h, tt.Qh.plane, e1, y1.x, y1.y, y1.z, y1.w);
+      st_split4(tt.Qh.h, tt.Qh.plane, e2, y2.x, y2.y, y2.z, y2.w);
     }
   };
   auto koff = [&](int i, int n) { return (i >> lgR) * ks1 + (i & Rm) * ks2 + n * ksn; };
@@ -403,17 +437,47 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
   if (NT % qd == 0) {  // each thread keeps its columns (qd is a power of two): no division
     const int lg = mb_lg2(qd), n = (mb_tid() & (qd - 1)) << 2, step = NT >> lg;
     const int i0 = mb_tid() >> lg;
-    if ((step & Rm) == 0) {  // and its rank: the offsets advance by step / R steps
+    if (PAIR && (step & Rm) == 0) {  // and its rank: the offsets advance by step / R steps
+      // Two tasks at a time, both tasks' loads first. Why: one task at a time, each task's
+      // compute and stores waited for its loads before the next task's loads were issued: one
+      // L2 round trip per task in series (two per chunk at most 512-thread shapes of the grid),
+      // with every warp of the CTA waiting at once. The same values and stores.
       const O dk = (step >> lgR) * ks1, dq = (step >> lgR) * qs1;
       O ko = koff(i0, n), qo = qoff(i0, n);
-      for (int i = i0; i < T; i += step, ko += dk, qo += dq) task(i, n, ko, qo);
+      bool first = true;
+      for (int i = i0; i < T; i += 2 * step, ko += 2 * dk, qo += 2 * dq, first = false) {
+        const bool two = i + step < T;
+        Raw u0, u1;
+        if (MODE == 2 && first) {
+          u0 = pre->u0, u1 = pre->u1;
+        } else {
+          u0 = load(i, ko, qo);
+          u1 = two ? load(i + step, ko + dk, qo + dq) : Raw{};
+        }
+        if constexpr (MODE == 1) {
+          pre->u0 = u0, pre->u1 = u1;
+          return;
+        } else {
+          task(i, n, [&] { return u0; });
+          if (two) task(i + step, n, [&] { return u1; });
+        }
+      }
+      return;
+    }
+    if constexpr (MODE == 1) return;  // (MODE 2 then loads as MODE 0)
+    if ((step & Rm) == 0) {
+      const O dk = (step >> lgR) * ks1, dq = (step >> lgR) * qs1;
+      O ko = koff(i0, n), qo = qoff(i0, n);
+      for (int i = i0; i < T; i += step, ko += dk, qo += dq)
+        task(i, n, [&] { return load(i, ko, qo); });
     } else {
-      for (int i = i0; i < T; i += step) task(i, n, koff(i, n), qoff(i, n));
+      for (int i = i0; i < T; i += step) task(i, n, [&] { return load(i, koff(i, n), qoff(i, n)); });
     }
   } else {
+    if constexpr (MODE == 1) return;
     for (int u = mb_tid(); u < T * qd; u += NT) {
       const int i = u / qd, n = (u - i * qd) << 2;
-      task(i, n, koff(i, n), qoff(i, n));
+      task(i, n, [&] { return load(i, koff(i, n), qoff(i, n)); });
     }
   }
 }
@@ -424,9 +488,9 @@ MB_DEV void lean_build_qk(const AT& a, const MbLayout& L, float* sm, const LeanT
                           const MbCta& k, int c) {
   with_ld(a.lean_ld, [&](auto M) {
     constexpr int LM = decltype(M)::value;
-    if constexpr (Q && SPLIT) {
-      lean_build_qk_t<NT, true, false, LM>(a, L, sm, tt, k, c);
-      lean_build_qk_t<NT, false, true, LM>(a, L, sm, tt, k, c);
+    if constexpr (Q && SPLIT) {  // one task at a time (the pairs' registers)
+      lean_build_qk_t<NT, true, false, LM, 0, false>(a, L, sm, tt, k, c);
+      lean_build_qk_t<NT, false, true, LM, 0, false>(a, L, sm, tt, k, c);
     } else {
       lean_build_qk_t<NT, true, Q, LM>(a, L, sm, tt, k, c);
     }
@@ -442,9 +506,14 @@ MB_DEV void lean_build_qk(const AT& a, const MbLayout& L, float* sm, const LeanT
 // every rank on one thread, at C = 8 the X build (R rank rows per task: 8 at R = 8) ran on the
 // first C P / 4 threads only (4 of 16 warps at P = 64) and held every other warp at the
 // barrier that ends the builds. The same values (each element's products as before).
-template <int NT, bool X, int LM, bool SPLIT = true, class AT>
+// MODE as lean_build_qk_t's: 1 loads the thread's first step's v, z and (reduce-O) dout into
+// *pre, 2 builds with them.
+struct LeanXPre {
+  uint2 v, z, d;
+};
+template <int NT, bool X, int LM, bool SPLIT = true, int MODE = 0, class AT>
 MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const LeanTiles& tt,
-                           const MbCta& k, int c) {
+                           const MbCta& k, int c, LeanXPre* pre = nullptr) {
   const int s0 = c * a.C, Lc = min(a.C, a.S - s0), C = a.C, R = a.R, P = a.P, Ppt = a.Ppt;
   const int ldP = tt.ldP, lg = a.lgP - 2;  // P / 4 tasks per step (P a power of two >= 16)
   int lgG = 0;
@@ -481,14 +550,30 @@ MB_DEV void lean_build_x_t(const AT& a, const MbLayout& L, float* sm, const Lean
   }
   uint2* zs = reinterpret_cast<uint2*>(sm + L.zs);
   uint2* ds = reinterpret_cast<uint2*>(sm + L.ds);
-  for (int t = mb_tid() >> lgt; t < C; t += NT >> lgt) {
+  bool first = true;
+  for (int t = mb_tid() >> lgt; t < C; t += NT >> lgt, first = false) {
     const bool valid = t < Lc;
     const uint2 zero = make_uint2(0u, 0u);
-    const uint2 vr = valid ? ld_raw4<LM>(vc + t * vs1, vsp) : zero;
+    uint2 vr, zr = zero, dr = zero;
+    if (MODE == 2 && first) {
+      vr = pre->v, zr = pre->z, dr = pre->d;
+    } else {
+      vr = valid ? ld_raw4<LM>(vc + t * vs1, vsp) : zero;
+      // z and (reduce-O) dout loaded before either staging store. Why: each store waited for
+      // its own load before the next load was issued: two L2 round trips in series.
+      if (X) {
+        zr = grp == 0 && hz && valid ? ld_raw4<LM>(zc + t * zs1, zsp) : zero;
+        dr = ro && grp == G - 1 && valid ? ld_raw4<LM>(dc + t * ds1, dsp) : zero;
+      }
+    }
+    if constexpr (MODE == 1) {
+      pre->v = vr, pre->z = zr, pre->d = dr;
+      return;
+    }
     if (X) {
-      if (grp == 0) zs[(t * P + p) >> 2] = hz && valid ? ld_raw4<LM>(zc + t * zs1, zsp) : zero;
+      if (grp == 0) zs[(t * P + p) >> 2] = zr;
       if (ro) {
-        if (grp == G - 1) ds[(t * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1, dsp) : zero;
+        if (grp == G - 1) ds[(t * P + p) >> 2] = dr;
       } else {
         for (int r = r0; r < r0 + RG; ++r)
           ds[((t * R + r) * P + p) >> 2] = valid ? ld_raw4<LM>(dc + t * ds1 + r * dsr, dsp) : zero;
@@ -526,8 +611,15 @@ MB_DEV void lean_build_x(const AT& a, const MbLayout& L, float* sm, const LeanTi
 // one element at a time, each load sat in its own branch and waited for the previous element's
 // store, so at C = 64 (8 elements per thread) every warp waited on 8 memory round trips in
 // series before the barrier that ends the builds.
-template <int NT, bool REV = false, int G = 4, class AT>
-MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c) {
+// MODE as lean_build_qk_t's: 1 loads the thread's first group of segsum values into *pre, 2
+// computes the weights with them.
+struct LeanWPre {
+  float seg[4];
+};
+template <int NT, bool REV = false, int G = 4, int MODE = 0, class AT>
+MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const MbCta& k, int c,
+                               LeanWPre* pre = nullptr) {
+  static_assert(G <= 4, "LeanWPre holds four values");
   const int s0 = c * a.C, C = a.C, lgC = mb_lg2(C), CC = C * C;
   const bool partial = a.S - s0 < C;
   const auto& v = a.segsum;
@@ -537,14 +629,22 @@ MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const 
   const int u = REV ? NT - 1 - mb_tid() : mb_tid();
   with_dt(v.dt, [&](auto D) {
     constexpr int DT = decltype(D)::value;
-    for (int e0 = u; e0 < CC; e0 += G * NT) {
+    bool first = true;
+    for (int e0 = u; e0 < CC; e0 += G * NT, first = false) {
       float seg[G];
 #pragma unroll
       for (int j = 0; j < G; ++j) {
         const int e = e0 + j * NT, t = e >> lgC, s = e & (C - 1);
         seg[j] = 0.f;
-        if (e < CC && s < t)
+        if (MODE == 2 && first)
+          seg[j] = pre->seg[j];
+        else if (e < CC && s < t)
           seg[j] = partial ? sm[L.da + t] - sm[L.da + s] : mb_ldt<DT>(v.p, base + t * s3 + s * s4, v.dt);
+      }
+      if constexpr (MODE == 1) {
+#pragma unroll
+        for (int j = 0; j < G; ++j) pre->seg[j] = seg[j];
+        return;
       }
 #pragma unroll
       for (int j = 0; j < G; ++j) {
@@ -1123,9 +1223,17 @@ MB_DEV void lean_state_foreach(const AT& a, const LeanState<ST>& s, F f) {
 
 // The bf16 planes of the register state (for lean_y) and states[b, h, c] = St in one pass over
 // the owned pairs (paired stores when the layout allows; dtype and layout dispatched once).
-template <int NT, int ST, class AT>
+// OUT false: the planes only (states[c] then comes from lean_states_copy).
+template <int NT, int ST, bool OUT = true, class AT>
 MB_DEV void lean_state_out(const AT& a, const LeanTiles& tt, const MbCta& k, int c,
                            const LeanState<ST>& s) {
+  if constexpr (!OUT) {
+    const int ldP = tt.ldP;
+    lean_state_foreach<NT>(a, s, [&](int n, int p, float v0, float v1) {
+      st_split2f(tt.St.h, tt.St.plane, n * ldP + p, v0, v1);
+    });
+    return;
+  }
   const auto& o = a.states;
   using O = mb_off_t<decltype(o)>;
   const O sn = o.s[3], sp = o.s[4];
@@ -1147,7 +1255,65 @@ MB_DEV void lean_state_out(const AT& a, const LeanTiles& tt, const MbCta& k, int
   });
 }
 
+// states[b, h, c] := the hi plane of St (the state entering chunk c), for the contiguous-layout
+// copies, whose states are bf16 [B, H, nch, N, P] with aligned 4-element rows (MbArgsCT<..,
+// true>): the hi plane is bf16_rn of the state, the value lean_state_out stores, so the bits
+// are the same. Why: lean_state_out stored each thread's mma fragment pairs, 4 bytes per lane
+// and 16 per row of 8 lanes (half sectors, ~16 stores per thread per chunk at four tiles per
+// warp); here 8 bytes per lane in whole rows. Called after a barrier that follows the planes'
+// stores and before the next chunk's (the loop top).
+template <int NT, class AT>
+MB_DEV void lean_states_copy(const AT& a, const LeanTiles& tt, const MbCta& k, int c) {
+  constexpr int N = AT::N, P = AT::P, Q4 = P / 4;
+  static_assert((N * Q4) % NT == 0, "whole rounds of 4-element pieces");
+  const auto& o = a.states;
+  using O = mb_off_t<decltype(o)>;
+  const O base = k.b * o.s[0] + k.h * o.s[1] + static_cast<O>(c) * o.s[2];
+  auto* dst = reinterpret_cast<uint2*>(reinterpret_cast<unsigned short*>(o.p) + base);
+  const int ldP = tt.ldP;
+#pragma unroll
+  for (int j = 0; j < N * Q4 / NT; ++j) {
+    const int e = mb_tid() + j * NT, n = e / Q4, q = e - n * Q4;
+    dst[e] = *reinterpret_cast<const uint2*>(tt.St.h + n * ldP + 4 * q);
+  }
+}
+
 // ------------------------------------------------------------------ kernel bodies
+
+// Whether K3 issues its three builds' loads together (the fused sequence in k3_lean_body): only
+// where the layouts are compile-time (MbArgsCT<.., true>: lean_ld a constant, one copy of the
+// builds) and with at most two state tiles per warp. Why not elsewhere (ptxas, sm_90a): the
+// generic kernels, with three copies of the builds under the runtime layout switch, spilled
+// 400-684 bytes at 512 threads, and the four-tile copies 24-80 bytes.
+#ifndef MAMBA3_LEAN_STATES_COPY
+#define MAMBA3_LEAN_STATES_COPY 1
+#endif
+template <class AT, class = void>
+struct mb_ct_layout : std::false_type {};
+template <class AT>  // (kBF16: a member only MbArgsCT<.., true> declares)
+struct mb_ct_layout<AT, std::void_t<decltype(AT::kBF16)>> : std::true_type {};
+template <class AT>
+constexpr bool lean_fused_build_loads(int st) {
+  if constexpr (mb_ct_layout<AT>::value) {
+    // Also not at P 128 nor R 8: measured slower there (H200, session 19: K3 +3.3% at N64
+    // P128 R4 C16, +1.3% at N128 P64 R8 C8; -2% to -7% at the other 512-thread copies).
+    return st <= 2 && AT::P <= 64 && AT::R <= 4;
+  } else {
+    return false;
+  }
+}
+// Whether states[c] comes from the hi plane (lean_states_copy): the contiguous-layout copies
+// with P >= 64. Measured (H200, session 19, K3 ms without -> with): N256 P64 R4 C8 1.206 ->
+// 1.116, N128 P128 R4 C8 1.134 -> 1.087, N128 P64 R4 C16 0.605 -> 0.589, R2 C32 0.323 ->
+// 0.312; at N128 P32 R4 C16 0.479 -> 0.488 (slower: not there).
+template <class AT>
+constexpr bool lean_states_from_planes() {
+  if constexpr (mb_ct_layout<AT>::value) {
+    return MAMBA3_LEAN_STATES_COPY && AT::P >= 64;
+  } else {
+    return false;
+  }
+}
 
 // K1 (lean): local recurrence of one sub-segment from a zero state.
 template <int NT, int ST, class AT>
@@ -1251,7 +1417,8 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
   const int c0 = seg * a.L3, c1 = min(a.nch, c0 + a.L3);
   // The planes of the state entering chunk c0 and states[c0]; each later state's planes and
   // output are written together right after its update (the end of the previous chunk).
-  lean_state_out<NT>(a, tt, k, c0, st);
+  constexpr bool kCopy = lean_states_from_planes<AT>();
+  lean_state_out<NT, ST, !kCopy>(a, tt, k, c0, st);
   // Chunk c's scalars (da, expda, gamma, tscale, wk, misc) and cos / sin table are built during
   // chunk c - 1, after the barrier that follows their last reads (lean_y), so that their global
   // loads overlap the other warps' epilogue and state update instead of stalling every warp at
@@ -1267,12 +1434,35 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     // The previous chunk's epilogue partials (in the Sc planes: nothing here writes them before
     // the next barrier).
     if (defer && c > c0) lean_epilogue_sums<NT>(a, L, sm);
-    // Reversed (see lean_chunk_weights) but with 8 state tiles per warp: <512, 8> sits at its
-    // 128-register limit and spilled with it.
-    lean_chunk_weights<NT, (ST < 8), (ST < 8 ? 4 : 1)>(a, L, sm, k, c);
     const float e_chunk = sm[L.misc];
-    lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
-    lean_build_x<NT, true, (ST < 8)>(a, L, sm, tt, k, c);
+    if constexpr (lean_fused_build_loads<AT>(ST)) {
+      // Every global load of the three builds first (the first pair of q / k tasks, the first
+      // step's v, z and dout, the first segsum group), then their arithmetic and stores. Why:
+      // each build waited for its own loads before the next one issued its: three or four L2
+      // round trips in series per chunk, every warp of the CTA waiting at once. The same
+      // values and stores (the same bits).
+      with_ld(a.lean_ld, [&](auto M) {
+        constexpr int LM = decltype(M)::value;
+        LeanXPre xp;
+        LeanWPre wp;
+        LeanQkPre qp;
+        lean_build_x_t<NT, true, LM, true, 1>(a, L, sm, tt, k, c, &xp);
+        lean_chunk_weights<NT, true, 4, 1>(a, L, sm, k, c, &wp);
+        lean_build_qk_t<NT, true, true, LM, 1>(a, L, sm, tt, k, c, &qp);
+        // states[c] while the loads are in flight.
+        if constexpr (kCopy) lean_states_copy<NT>(a, tt, k, c);
+        lean_chunk_weights<NT, true, 4, 2>(a, L, sm, k, c, &wp);
+        lean_build_qk_t<NT, true, true, LM, 2>(a, L, sm, tt, k, c, &qp);
+        lean_build_x_t<NT, true, LM, true, 2>(a, L, sm, tt, k, c, &xp);
+      });
+    } else {
+      if constexpr (kCopy) lean_states_copy<NT>(a, tt, k, c);
+      // Reversed (see lean_chunk_weights) but with 8 state tiles per warp: <512, 8> sits at its
+      // 128-register limit and spilled with it.
+      lean_chunk_weights<NT, (ST < 8), (ST < 8 ? 4 : 1)>(a, L, sm, k, c);
+      lean_build_qk<NT, true, (ST >= 8)>(a, L, sm, tt, k, c);
+      lean_build_x<NT, true, (ST < 8)>(a, L, sm, tt, k, c);
+    }
     mb_sync();
     // Chunk c + 1's scalar and angle loads in flight across the scores and lean_y (see
     // lean_chunk_pre_load; not with 8 state tiles per warp, at their register limit).
@@ -1306,7 +1496,7 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
     // starts from ws_enter).
     if (c + 1 < c1) {
       lean_state_update<NT>(a, tt, st, e_chunk);
-      lean_state_out<NT>(a, tt, k, c + 1, st);
+      lean_state_out<NT, ST, !kCopy>(a, tt, k, c + 1, st);
     }
   }
   mb_sync();
