@@ -464,17 +464,17 @@ MB_DEV void lean_build_qk_t(const AT& a, const MbLayout& L, float* sm, const Lea
       }
       return;
     }
-    if constexpr (MODE == 1) return;  // (MODE 2 then loads as MODE 0)
-    if ((step & Rm) == 0) {
-      const O dk = (step >> lgR) * ks1, dq = (step >> lgR) * qs1;
-      O ko = koff(i0, n), qo = qoff(i0, n);
-      for (int i = i0; i < T; i += step, ko += dk, qo += dq)
-        task(i, n, [&] { return load(i, ko, qo); });
-    } else {
-      for (int i = i0; i < T; i += step) task(i, n, [&] { return load(i, koff(i, n), qoff(i, n)); });
+    if constexpr (MODE != 1) {  // (MODE 1 loads nothing here; MODE 2 then loads as MODE 0)
+      if ((step & Rm) == 0) {
+        const O dk = (step >> lgR) * ks1, dq = (step >> lgR) * qs1;
+        O ko = koff(i0, n), qo = qoff(i0, n);
+        for (int i = i0; i < T; i += step, ko += dk, qo += dq)
+          task(i, n, [&] { return load(i, ko, qo); });
+      } else {
+        for (int i = i0; i < T; i += step) task(i, n, [&] { return load(i, koff(i, n), qoff(i, n)); });
+      }
     }
-  } else {
-    if constexpr (MODE == 1) return;
+  } else if constexpr (MODE != 1) {
     for (int u = mb_tid(); u < T * qd; u += NT) {
       const int i = u / qd, n = (u - i * qd) << 2;
       task(i, n, [&] { return load(i, koff(i, n), qoff(i, n)); });
@@ -645,11 +645,12 @@ MB_DEV void lean_chunk_weights(const AT& a, const MbLayout& L, float* sm, const 
 #pragma unroll
         for (int j = 0; j < G; ++j) pre->seg[j] = seg[j];
         return;
-      }
+      } else {
 #pragma unroll
-      for (int j = 0; j < G; ++j) {
-        const int e = e0 + j * NT, t = e >> lgC, s = e & (C - 1);
-        if (e < CC) sm[L.W + e] = s < t ? sm[L.tscale + s] * expf(seg[j]) : 0.f;
+        for (int j = 0; j < G; ++j) {
+          const int e = e0 + j * NT, t = e >> lgC, s = e & (C - 1);
+          if (e < CC) sm[L.W + e] = s < t ? sm[L.tscale + s] * expf(seg[j]) : 0.f;
+        }
       }
     }
   });
