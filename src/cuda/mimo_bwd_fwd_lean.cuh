@@ -1281,28 +1281,29 @@ MB_DEV void lean_states_copy(const AT& a, const LeanTiles& tt, const MbCta& k, i
 
 // ------------------------------------------------------------------ kernel bodies
 
-// Whether K3 issues its three builds' loads together (the fused sequence in k3_lean_body): only
-// where the layouts are compile-time (MbArgsCT<.., true>: lean_ld a constant, one copy of the
-// builds) and with at most two state tiles per warp. Why not elsewhere (ptxas, sm_90a): the
-// generic kernels, with three copies of the builds under the runtime layout switch, spilled
-// 400-684 bytes at 512 threads, and the four-tile copies 24-80 bytes.
-#ifndef MAMBA3_LEAN_STATES_COPY
-#define MAMBA3_LEAN_STATES_COPY 1
-#endif
+// Whether AT is MbArgsCT<.., true> (the contiguous-layout copies: layouts and dtypes known at
+// compile time).
 template <class AT, class = void>
 struct mb_ct_layout : std::false_type {};
-template <class AT>  // (kBF16: a member only MbArgsCT<.., true> declares)
-struct mb_ct_layout<AT, std::void_t<decltype(AT::kBF16)>> : std::true_type {};
+template <class AT>
+struct mb_ct_layout<AT, std::enable_if_t<AT::kContiguousLayout>> : std::true_type {};
+
+// Whether K3 issues its three builds' loads together (the fused sequence in k3_lean_body): the
+// contiguous-layout copies (lean_ld a constant) with at most two state tiles per warp, P <= 64
+// and R <= 4. Why not elsewhere: ptxas (sm_90a) showed the generic kernels, with three copies
+// of the builds under the runtime layout switch, spilling 400-684 bytes at 512 threads, and the
+// four-tile copies 24-80 bytes; at P 128 and R 8 the fused copies measured slower (H200,
+// session 19: K3 +3.3% at N64 P128 R4 C16, +1.3% at N128 P64 R8 C8; -2% to -7% at the other
+// 512-thread copies).
 template <class AT>
 constexpr bool lean_fused_build_loads(int st) {
   if constexpr (mb_ct_layout<AT>::value) {
-    // Also not at P 128 nor R 8: measured slower there (H200, session 19: K3 +3.3% at N64
-    // P128 R4 C16, +1.3% at N128 P64 R8 C8; -2% to -7% at the other 512-thread copies).
     return st <= 2 && AT::P <= 64 && AT::R <= 4;
   } else {
     return false;
   }
 }
+
 // Whether states[c] comes from the hi plane (lean_states_copy): the contiguous-layout copies
 // with P >= 64. Measured (H200, session 19, K3 ms without -> with): N256 P64 R4 C8 1.206 ->
 // 1.116, N128 P128 R4 C8 1.134 -> 1.087, N128 P64 R4 C16 0.605 -> 0.589, R2 C32 0.323 ->
@@ -1310,7 +1311,7 @@ constexpr bool lean_fused_build_loads(int st) {
 template <class AT>
 constexpr bool lean_states_from_planes() {
   if constexpr (mb_ct_layout<AT>::value) {
-    return MAMBA3_LEAN_STATES_COPY && AT::P >= 64;
+    return AT::P >= 64;
   } else {
     return false;
   }

@@ -122,6 +122,7 @@ struct MbArgsCT<N_, P_, R_, C_, true> : MbArgsShapeCT<N_, P_, R_, C_> {
   MbCView<kBF16, 0, 0, N_ * P_, P_, 1> states;         // [B,H,nch,N,P]
   static constexpr int reduce_o = 1, has_z = 1, has_d = 1, has_norm = 0, act_dt = kBF16;
   static constexpr int scal_f32 = 0, lean_ld = 2, lean_vec = 1, states_vec4 = 1;
+  static constexpr bool kContiguousLayout = true;  // (mb_ct_layout)
 
   // Host: the MbCViews from the runtime views of a (lean_ct_layout_ok(a) must hold).
   void set(const MbArgs& a) {
