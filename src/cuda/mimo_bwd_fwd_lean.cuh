@@ -1418,7 +1418,8 @@ MB_DEV void k3_lean_body(const AT& a, float* sm) {
 
   const int c0 = seg * a.L3, c1 = min(a.nch, c0 + a.L3);
   // The planes of the state entering chunk c0 and states[c0]; each later state's planes and
-  // output are written together right after its update (the end of the previous chunk).
+  // output are written together right after its update (the end of the previous chunk). With
+  // kCopy only the planes: states[c] is copied from them at chunk c's top (lean_states_copy).
   constexpr bool kCopy = lean_states_from_planes<AT>();
   lean_state_out<NT, ST, !kCopy>(a, tt, k, c0, st);
   // Chunk c's scalars (da, expda, gamma, tscale, wk, misc) and cos / sin table are built during
