@@ -1063,21 +1063,23 @@ inline bool ct_layout_ok(const Args& a, CtSet set) {
          (!gate || (is(a.z, BF16, {B, S, H, P}) && is(a.mimo_z, F32, {H, R, P})));
 }
 // K3's phase-0 rows loaded a chunk ahead (chunk_planes_body: RawRows): per thread, kx rows of
-// the [T][P] x / dPhiO loop and ks rows of the [N][P] states loop (their pair_rows mappings),
-// compile-time only in the specialised kernels (on); the generic kernel loads them in phase 0.
-// On only at the shapes where it measured faster (H200, session 12: planes K3 N128 P64 R4 C16
-// 1.843 -> 1.79 ms, R2 C32 1.000 -> 0.967); at N256 C8 and N128 P128 C8 the carried rows spilled
-// (+13%, +20%), and the other shapes were not measured with it.
+// the [T][P] x / dPhiO loop (on: every specialised kernel) and, where st, ks rows of the [N][P]
+// states loop (their pair_rows mappings); compile-time only in the specialised kernels, the
+// generic kernel loads them in phase 0. The states rows only at the shapes where they measured
+// faster (H200, session 12: planes K3 N128 P64 R4 C16 1.843 -> 1.79 ms, R2 C32 1.000 -> 0.967);
+// at N256 C8 and N128 P128 C8 they spilled (+13%, +20%). The x / dPhiO rows alone (a few per
+// thread: 2 to 8) everywhere since session 20 (PERF.md).
 template <class AT>
 struct RawCounts {
-  static constexpr bool on = false;
+  static constexpr bool on = false, st = false;
   static constexpr int kx = 1, ks = 1;
 };
 template <int N, int P, int R, int C, int CL>
 struct RawCounts<ArgsCT<N, P, R, C, CL>> {
-  static constexpr bool on = N == 128 && P == 64 && ((R == 4 && C == 16) || (R == 2 && C == 32));
+  static constexpr bool on = true;
+  static constexpr bool st = N == 128 && P == 64 && ((R == 4 && C == 16) || (R == 2 && C == 32));
   static constexpr int kx = (C * R * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
-  static constexpr int ks = (N * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
+  static constexpr int ks = st ? (N * (P / 2) + kPlanesThreads - 1) / kPlanesThreads : 1;
 };
 
 // K3's dqh / dkh tiles owned in pairs of the same columns (chunk_planes_body: acc_tile), so
@@ -1105,6 +1107,38 @@ struct IncAddr {
 template <int N, int P, int R, int C, int CL>
 struct IncAddr<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = N == 256 && P == 64 && R == 4 && C == 8;
+};
+
+// stage_chunk's loops with compile-time per-thread counts (specialised kernels): their raw
+// loads all issued first, held in registers, then converted and stored. Why: each loop consumed
+// its loads before the next loop issued its own (biases, per-step scalars, segsum, qk_dot,
+// angles: four or five L2 round trips in series); session 19's profiles put stage_chunk at 11%
+// and 15% of K3's warp time at N256 P64 R4 C8 and N128 P64 R2 C32, half of it long scoreboard.
+// kb, kw, kq, ka: a thread's elements of the bias, segsum, qk_dot and angle loops (the scalars'
+// loop has one step per thread: C + 1 <= kPlanesThreads). Same loads, values and stores.
+template <class AT>
+struct StageCounts {
+  static constexpr bool on = false;
+  static constexpr int kb = 1, kw = 1, kq = 1, ka = 1;
+};
+template <int N, int P, int R, int C, int CL>
+struct StageCounts<ArgsCT<N, P, R, C, CL>> {
+  static constexpr int NT = kPlanesThreads;
+  static constexpr bool on = true;
+  static constexpr int kb = (R * N + NT - 1) / NT, kw = (C * C + NT - 1) / NT,
+                       kq = (C * R * R + NT - 1) / NT, ka = (C * (N / 4) + NT - 1) / NT;
+  static_assert(C + 1 <= NT, "the scalars' loop: one step per thread");
+};
+
+// K3's states rows (phase 0, without RawRows) in flight per thread: all of a thread's rows
+// where they are 16 (N256 P64, N128 P128: one memory latency, not two), else eight.
+template <class AT>
+struct StatesInFlight {
+  static constexpr int u = 8;
+};
+template <int N, int P, int R, int C, int CL>
+struct StatesInFlight<ArgsCT<N, P, R, C, CL>> {
+  static constexpr int u = N * (P / 2) / kPlanesThreads == 16 ? 16 : 8;
 };
 
 // Whether K3 may read the workspace's (sin, cos) table (Args::ws_cs: where its layout has no
@@ -1187,7 +1221,127 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   // the sincos of phase 0 ran on the rotation tasks (half of the warps at N128 C16).
   // (Raw loads first, conversions after: one memory latency per loop, not one per tensor.)
   // Same loads and values as when they were loaded in phase 0.
-  auto stage_chunk = [&](int64_t item) {
+  using SC = StageCounts<AT>;
+  // stage_chunk's raw loads (SC::on): issued by stage_load, converted and stored by stage_store.
+  struct StageRaw {
+    uint32_t qb[SC::kb], kb[SC::kb];  // q_bias, k_bias
+    uint32_t da, F, dt, tr;           // the thread's step's da_cs, da_cs_rev, dt, trap
+    uint32_t w[SC::kw], qk[SC::kq], an[SC::ka];  // segsum, qk_dot, angles
+  };
+  // The item's indices: (b, h, c, s0, L, Lx, partial).
+  struct StageIdx {
+    int b, h, c, s0, L, Lx;
+    bool partial;
+  };
+  auto stage_idx = [&](int64_t item) {
+    StageIdx x;
+    const int it = static_cast<int>(item), bh = a.div_nch.div(it);
+    x.c = it - bh * a.nch;
+    x.b = a.div_H.div(bh), x.h = bh - x.b * a.H;
+    x.s0 = x.c * C, x.L = bb_min(C, a.S - x.s0), x.Lx = bb_min(x.L + 1, a.S - x.s0);
+    x.partial = x.L < C;
+    return x;
+  };
+  auto stage_load = [&](int64_t item, StageRaw& u) {
+    const StageIdx x = stage_idx(item);
+    BB_UNROLL
+    for (int k = 0; k < SC::kb; ++k) {
+      const int e = tid + k * NT;
+      if (e < (R << lgN)) {
+        const int r = e >> lgN, n = e & (N - 1);
+        u.qb[k] = rt_ld_raw(a.q_bias.p, o3(a.q_bias, x.h, r, n), a.q_bias.dt);
+        u.kb[k] = rt_ld_raw(a.k_bias.p, o3(a.k_bias, x.h, r, n), a.k_bias.dt);
+      }
+    }
+    {
+      const int i = tid, t = x.s0 + i;
+      const bool in = i < x.L, rev = in && !x.partial;
+      if (i < x.Lx) {
+        u.da = in ? rt_ld_raw(a.da_cs.p, o3(a.da_cs, x.b, x.h, t), a.da_cs.dt) : 0u;
+        u.F = rev ? rt_ld_raw(a.da_cs_rev.p, o3(a.da_cs_rev, x.b, x.h, t), a.da_cs_rev.dt) : 0u;
+        u.dt = rt_ld_raw(a.dt.p, o3(a.dt, x.b, x.h, t), a.dt.dt);
+        u.tr = rt_ld_raw(a.trap.p, o3(a.trap, x.b, x.h, t), a.trap.dt);
+      }
+    }
+    {
+      const int64_t w0 = o3(a.segsum, x.b, x.h, x.c);
+      BB_UNROLL
+      for (int k = 0; k < SC::kw; ++k) {
+        const int e = tid + k * NT, i = e >> lgC, j = e & (C - 1);
+        // Zero bits outside (the value 0.f of the loop below).
+        if (e < (C << lgC))
+          u.w[k] = !x.partial && j < i && i < x.L
+                       ? rt_ld_raw(a.segsum.p, w0 + i * a.segsum.s[3] + j * a.segsum.s[4],
+                                   a.segsum.dt)
+                       : 0u;
+      }
+    }
+    {
+      const int64_t qk0 = o3(a.qk_dot, x.b, x.h, x.s0);
+      BB_UNROLL
+      for (int k = 0; k < SC::kq; ++k) {
+        const int e = tid + k * NT;
+        const int i = e >> (2 * lgR), r = (e >> lgR) & (R - 1), r2 = e & (R - 1);
+        if (e < (x.L << (2 * lgR)))
+          u.qk[k] = rt_ld_raw(a.qk_dot.p,
+                              qk0 + i * a.qk_dot.s[2] + r * a.qk_dot.s[3] + r2 * a.qk_dot.s[4],
+                              a.qk_dot.dt);
+      }
+    }
+    if (cs_tab()) {
+      const int64_t ao = int64_t{x.b} * a.angles.s[0] + int64_t{x.h} * a.angles.s[2];
+      BB_UNROLL
+      for (int k = 0; k < SC::ka; ++k) {
+        const int e = tid + k * NT, i = e / A, j = e - i * A;
+        if (e < x.L * A)
+          u.an[k] = rt_ld_raw(a.angles.p, ao + (x.s0 + i) * a.angles.s[1] + j * a.angles.s[3],
+                              a.angles.dt);
+      }
+    }
+  };
+  auto stage_store = [&](int64_t item, const StageRaw& u) {
+    const StageIdx x = stage_idx(item);
+    BB_UNROLL
+    for (int k = 0; k < SC::kb; ++k) {
+      const int e = tid + k * NT;
+      if (e < (R << lgN)) {
+        qbias()[e] = rt_raw_f(u.qb[k], a.q_bias.dt);
+        kbias()[e] = rt_raw_f(u.kb[k], a.k_bias.dt);
+      }
+    }
+    {
+      const int i = tid;
+      const bool in = i < x.L, rev = in && !x.partial;
+      if (i < x.Lx) {
+        if (in) s_dacs[i] = rt_raw_f(u.da, a.da_cs.dt);
+        if (rev) s_F[i] = rt_raw_f(u.F, a.da_cs_rev.dt);  // raw here
+        s_dt[i] = rt_raw_f(u.dt, a.dt.dt);
+        s_lam[i] = sigmoid_f(rt_raw_f(u.tr, a.trap.dt));
+      }
+    }
+    BB_UNROLL
+    for (int k = 0; k < SC::kw; ++k) {
+      const int e = tid + k * NT;
+      if (e < (C << lgC)) s_W[e] = rt_raw_f(u.w[k], a.segsum.dt);
+    }
+    BB_UNROLL
+    for (int k = 0; k < SC::kq; ++k) {
+      const int e = tid + k * NT;
+      if (e < (x.L << (2 * lgR))) s_qk[e] = rt_raw_f(u.qk[k], a.qk_dot.dt);
+    }
+    if (float2* tab = cs_tab()) {
+      BB_UNROLL
+      for (int k = 0; k < SC::ka; ++k) {
+        const int e = tid + k * NT;
+        if (e < x.L * A) {
+          float sv, cv;
+          bb_sincos(rt_raw_f(u.an[k], a.angles.dt), &sv, &cv);
+          tab[e] = make_float2(sv, cv);
+        }
+      }
+    }
+  };
+  auto stage_chunk_loops = [&](int64_t item) {
     const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
     const int b = a.div_H.div(bh), h = bh - b * a.H;
     const int s0 = c * C, L = bb_min(C, a.S - s0), Lx = bb_min(L + 1, a.S - s0);
@@ -1244,15 +1398,25 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     }
   };
 
+  auto stage_chunk = [&](int64_t item) {
+    if constexpr (SC::on) {
+      StageRaw u;
+      stage_load(item, u);
+      stage_store(item, u);
+    } else {
+      stage_chunk_loops(item);
+    }
+  };
+
   // Phase 0's x / dPhiO rows (v, dout) and states / dS rows, loaded a chunk ahead into
   // registers (raw bf16 pairs, fp32 dS pairs): issued right after the previous chunk's DQ / DK
   // barrier, consumed at the top of this chunk's phase 0. Why: phase 0 waited on these loads
   // (L2 hits, prefetch_item) in three rounds (x / dPhiO, then the states in groups of eight
   // rows), the largest long-scoreboard stalls of K3 (~7% of its samples at N128, ~9% at N256 C8
   // in ncu); issued a chunk ahead, their latency overlaps the DQ / DK stores, the DMIMO_V
-  // partial and stage_chunk. Specialised kernels only (compile-time counts: RawCounts) and the
-  // benchmark's layout: no gate, bf16 dout and states, pair loads (raw_on); elsewhere phase 0
-  // loads them itself. The same rows per thread in the same order, the same values (ld2_t's,
+  // partial and stage_chunk. Specialised kernels only (compile-time counts: RawCounts; the
+  // states rows only where RawCounts::st) and the benchmark's layout: no gate, bf16 dout (and
+  // states), pair loads (raw_on); elsewhere phase 0 loads them itself. The same rows per thread in the same order, the same values (ld2_t's,
   // rank_weights' as rt_ld_raw / rt_raw_f), the same arithmetic: the same bits.
   using RC = RawCounts<AT>;
   struct RawRows {
@@ -1262,7 +1426,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     uint32_t mv[2], mo[2];           // the thread's rank's mimo_v, mimo_o pair, raw
   };
   const bool raw_on = RC::on && !a.gate && a.vec_v && a.vec_dout && a.dout.dt == 1 &&
-                      a.vec_states && a.states.dt == 1;
+                      (!RC::st || (a.vec_states && a.states.dt == 1));
   RawRows raw;
   // The thread's column pair pc and first row r0 of both pair_rows loops; rows step by rs.
   const int raw_pc = (tid & ((1 << (lgP - 1)) - 1)) * 2, raw_r0 = tid >> (lgP - 1);
@@ -1297,15 +1461,17 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         raw.d[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pd + i * dr.st));
       }
     }
-    const unsigned short* ps = reinterpret_cast<const unsigned short*>(a.states.p) +
-                               (o3(a.states, b, h, c) + pc * a.states.s[4]);
-    const float* pds = a.ws_ds + item * (static_cast<int64_t>(N) * P) + pc;
-    BB_UNROLL
-    for (int k = 0; k < RC::ks; ++k) {
-      const int n = r0 + k * rs;
-      if (n < N) {
-        raw.st[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(ps + n * a.states.s[3]));
-        raw.ds[k] = *reinterpret_cast<const float2*>(pds + (n << lgP));
+    if constexpr (RC::st) {
+      const unsigned short* ps = reinterpret_cast<const unsigned short*>(a.states.p) +
+                                 (o3(a.states, b, h, c) + pc * a.states.s[4]);
+      const float* pds = a.ws_ds + item * (static_cast<int64_t>(N) * P) + pc;
+      BB_UNROLL
+      for (int k = 0; k < RC::ks; ++k) {
+        const int n = r0 + k * rs;
+        if (n < N) {
+          raw.st[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(ps + n * a.states.s[3]));
+          raw.ds[k] = *reinterpret_cast<const float2*>(pds + (n << lgP));
+        }
       }
     }
   };
@@ -1362,15 +1528,17 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           st_split_pair(Gp, row * ldP + pc, o.g);
         }
       }
-      BB_UNROLL
-      for (int k = 0; k < RC::ks; ++k) {
-        const int n = r0 + k * rs;
-        if (n < N) {
-          const float2 sv = bf2(raw.st[k]), ds = raw.ds[k];
-          const float4 sd = make_float4(sv.x, sv.y, ds.x, ds.y);
-          dda_part += sd.x * sd.z;
-          dda_part += sd.y * sd.w;
-          st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
+      if constexpr (RC::st) {
+        BB_UNROLL
+        for (int k = 0; k < RC::ks; ++k) {
+          const int n = r0 + k * rs;
+          if (n < N) {
+            const float2 sv = bf2(raw.st[k]), ds = raw.ds[k];
+            const float4 sd = make_float4(sv.x, sv.y, ds.x, ds.y);
+            dda_part += sd.x * sd.z;
+            dda_part += sd.y * sd.w;
+            st_split_pair(Sp, n * ldP + pc, make_float2(sd.x, sd.y));
+          }
         }
       }
     }
@@ -1468,6 +1636,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         else
           xg_rows(std::integral_constant<int, 1>{}, std::false_type{}, Two{});
       });
+    }
+    if (!raw_on || !RC::st) {
       // states[c] to planes; with them the row dots states . dS for DDA (dS, the workspace:
       // [N][P] fp32 at an even element offset), so that the states are read once per chunk.
       {
@@ -1494,7 +1664,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         if (a.vec_states)
           with_dtype(a.states.dt, [&](auto stag) {
             using TS = typename decltype(stag)::type;
-            states_rows(std::integral_constant<int, 8>{},
+            states_rows(std::integral_constant<int, StatesInFlight<AT>::u>{},
                         [&](int64_t o) { return ld2_t<TS>(a.states, o, ss4, true); });
           });
         else
@@ -2029,6 +2199,11 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     bb_sync();  // DQ, DK complete in dqh, dkh
     // The next chunk's phase-0 rows (their registers are free from here: see load_raw).
     if (raw_on && item + bb_nblocks() < total) load_raw(item + bb_nblocks());
+    // The next chunk's staged inputs, loaded here (SC::on) and stored after the DQ / DK stores
+    // and the DMIMO_V partial: their latency under those two.
+    StageRaw next_raw;
+    if constexpr (SC::on)
+      if (item + bb_nblocks() < total) stage_load(item + bb_nblocks(), next_raw);
     // Their valid rows (row = i R + r: output row (s0 + i) R + r = s0 R + row) to dq and dk in
     // one loop, four columns per task (one float4 read per source, one store per quad where the
     // layout allows: Args::vec_dq, vec_dk), the output dtype dispatched once (dq and dk share
@@ -2080,7 +2255,12 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     }
     // The next chunk's per-step inputs (their last readers, the DQ / DK loop, are behind the
     // barrier above; the store loop reads only dqh, dkh).
-    if (item + bb_nblocks() < total) stage_chunk(item + bb_nblocks());
+    if (item + bb_nblocks() < total) {
+      if constexpr (SC::on)
+        stage_store(item + bb_nblocks(), next_raw);
+      else
+        stage_chunk(item + bb_nblocks());
+    }
     bb_sync();  // shared memory is rewritten for the next chunk; the staged inputs are visible
   }
 }
