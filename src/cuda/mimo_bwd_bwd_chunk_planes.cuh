@@ -721,12 +721,22 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc<V> (&src)[2], Bias bias,
             sn[j] = t.x, cs[j] = t.y;
           }
       } else if constexpr (GT) {
-        BB_UNROLL
-        for (int j = 0; j < 4; ++j)
-          if (n + j < A) {
-            const float2 t = gtab[i * A + n + j];
-            sn[j] = t.x, cs[j] = t.y;
-          }
+        // 16-byte loads where all four are angles (A even: gtab + i A + n is 16-byte aligned;
+        // four 8-byte loads 32 bytes apart read each sector four times: N128 R1 C64's excess
+        // global sectors); the same values.
+        if (n + 3 < A && (A & 1) == 0) {
+          const float4 t01 = *reinterpret_cast<const float4*>(gtab + i * A + n);
+          const float4 t23 = *reinterpret_cast<const float4*>(gtab + i * A + n + 2);
+          sn[0] = t01.x, cs[0] = t01.y, sn[1] = t01.z, cs[1] = t01.w;
+          sn[2] = t23.x, cs[2] = t23.y, sn[3] = t23.z, cs[3] = t23.w;
+        } else {
+          BB_UNROLL
+          for (int j = 0; j < 4; ++j)
+            if (n + j < A) {
+              const float2 t = gtab[i * A + n + j];
+              sn[j] = t.x, cs[j] = t.y;
+            }
+        }
       } else {
         const int64_t ao = ang0 + (s0 + i) * as1 + n * as3;
         BB_NO_UNROLL
@@ -1068,7 +1078,8 @@ inline bool ct_layout_ok(const Args& a, CtSet set) {
 // generic kernel loads them in phase 0. The states rows only at the shapes where they measured
 // faster (H200, session 12: planes K3 N128 P64 R4 C16 1.843 -> 1.79 ms, R2 C32 1.000 -> 0.967);
 // at N256 C8 and N128 P128 C8 they spilled (+13%, +20%). The x / dPhiO rows alone (a few per
-// thread: 2 to 8) everywhere since session 20 (PERF.md).
+// thread: 2 to 8) everywhere since session 20 but at N128 R1 C64 (planes K3 +3% there; the
+// states rows too, +7%: session 21, PERF.md).
 template <class AT>
 struct RawCounts {
   static constexpr bool on = false, st = false;
@@ -1076,7 +1087,7 @@ struct RawCounts {
 };
 template <int N, int P, int R, int C, int CL>
 struct RawCounts<ArgsCT<N, P, R, C, CL>> {
-  static constexpr bool on = true;
+  static constexpr bool on = !(R == 1 && C == 64);
   static constexpr bool st = N == 128 && P == 64 && ((R == 4 && C == 16) || (R == 2 && C == 32));
   static constexpr int kx = (C * R * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
   static constexpr int ks = st ? (N * (P / 2) + kPlanesThreads - 1) / kPlanesThreads : 1;
@@ -1322,7 +1333,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     BB_UNROLL
     for (int k = 0; k < SC::kw; ++k) {
       const int e = tid + k * NT;
-      if (e < (C << lgC)) s_W[e] = rt_raw_f(u.w[k], a.segsum.dt);
+      if (e < (C << lgC)) s_W[e + (e >> lgC)] = rt_raw_f(u.w[k], a.segsum.dt);
     }
     BB_UNROLL
     for (int k = 0; k < SC::kq; ++k) {
@@ -1373,7 +1384,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const int64_t w0 = o3(a.segsum, b, h, c);
       for (int e = tid; e < (C << lgC); e += NT) {
         const int i = e >> lgC, j = e & (C - 1);
-        s_W[e] = !partial && j < i && i < L
+        s_W[e + i] = !partial && j < i && i < L
                      ? ld(a.segsum, w0 + i * a.segsum.s[3] + j * a.segsum.s[4])
                      : 0.f;
       }
@@ -1494,7 +1505,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // The 64-bit base offsets below are formed in the loop (or block) that uses them, not here:
     // kept live across phase 2 they cost spills at its 128 registers.
     // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
-    auto Wf = [&](int i, int j) { return s_W[(i << lgC) + j]; };  // exp(segsum[c, i, j])
+    // Rows of C + 1 floats (element e = i C + j of [C][C] at e + i): the builds read W down a
+    // column across a warp's lanes (M2, M3; M1 at R = 1, 2), 16- to 32-way bank conflicts with
+    // rows of C floats at C >= 32.
+    auto Wf = [&](int i, int j) { return s_W[(i << lgC) + i + j]; };  // exp(segsum[c, i, j])
 
     // ---- phase 0: planes (the per-step inputs were staged before the chunk: stage_chunk)
     float dd_part = 0.f, dda_part = 0.f;
@@ -1563,7 +1577,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // alone (the tail contract), in place over the staged raw segsum.
     for (int e = tid; e < (C << lgC); e += NT) {
       const int i = e >> lgC, j = e & (C - 1);
-      s_W[e] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e]) : 0.f;
+      s_W[e + i] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e + i]) : 0.f;
     }
 
     // qh, kh: tasks per source, step and four rotation columns over the R ranks; the biases
@@ -2017,11 +2031,16 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
             sn1 = t1.x, cs1 = t1.y;
           }
         } else if constexpr (kGlobTab) {  // the workspace's table
-          const float2 t0 = gtab[i * A + n];
-          sn0 = t0.x, cs0 = t0.y;
-          if (rot1) {
-            const float2 t1 = gtab[i * A + n + 1];
-            sn1 = t1.x, cs1 = t1.y;
+          if (rot1 && (A & 1) == 0) {  // one 16-byte load (n even: aligned as in rotated_quad_rows)
+            const float4 t = *reinterpret_cast<const float4*>(gtab + i * A + n);
+            sn0 = t.x, cs0 = t.y, sn1 = t.z, cs1 = t.w;
+          } else {
+            const float2 t0 = gtab[i * A + n];
+            sn0 = t0.x, cs0 = t0.y;
+            if (rot1) {
+              const float2 t1 = gtab[i * A + n + 1];
+              sn1 = t1.x, cs1 = t1.y;
+            }
           }
         } else {  // (not reached: these kernels' layouts have the table)
           const int64_t ao = ang0 + (s0 + i) * a.angles.s[1] + n * a.angles.s[3];

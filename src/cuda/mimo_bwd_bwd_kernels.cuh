@@ -120,7 +120,7 @@ struct PlanesLayout {
   // [2 kPlanesWarps + 1] (block_sum2's per-warp partials, then the DDA total) and three
   // per-row partial sums [T][N / 16][3].
   int dacs = 0, dt = 0, lam = 0, E = 0, F = 0, ts = 0, gam = 0, qk = 0, red = 0, part = 0,
-      W = 0;  // + exp(segsum) [C][C] (fp32)
+      W = 0;  // + exp(segsum) [C][C] (fp32, rows padded to C + 1)
   // q_bias, k_bias of the chunk's head [2][R][N] (fp32), staged once per chunk for phases 0
   // and 3; and, where it fits (cs >= 0: all of SPEC.md's grid but N128 R1 C64), the chunk's
   // (sin, cos) of the angles [C][A] (float2), from phase 0 for phase 3, else phase 3 calls
@@ -167,7 +167,7 @@ constexpr PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C,
   L.qk = take(4 * C * R * R);
   L.red = take(4 * (2 * kPlanesWarps + 1));  // block_sum2's warp partials and the DDA total
   L.part = take(4 * 3 * T * (N / 16));
-  L.W = take(4 * C * C);
+  L.W = take(4 * C * (C + 1));  // rows of C + 1 floats (chunk_planes_body: Wf)
   L.qb = take(4 * 2 * R * N);
   const int64_t cs_bytes = 8 * C * std::max<int64_t>(A, 1);
   if (o + cs_bytes <= kPlanesSmemMax) L.cs = take(cs_bytes);
