@@ -1203,6 +1203,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   float *s_dacs = flp(Ly.dacs), *s_dt = flp(Ly.dt), *s_lam = flp(Ly.lam), *s_E = flp(Ly.E),
         *s_F = flp(Ly.F), *s_ts = flp(Ly.ts), *s_gam = flp(Ly.gam), *s_qk = flp(Ly.qk),
         *red = flp(Ly.red), *s_W = flp(Ly.W);
+  // exp(segsum)'s element e = i C + j of [C][C] (j < C) at s_W[w_idx(e)]: rows of C + 1 floats.
+  // Why: the coefficient builds read W down a column across a warp's lanes (M2, M3; M1 at
+  // R = 1, 2), 16- to 32-way bank conflicts with rows of C floats at C >= 32.
+  auto w_idx = [&](int e) { return e + (e >> lgC); };
   // [T][nN][3]: per row and 16-column tile, qh . SG (DDA_CS), kh . SX (DDA_CS_REV),
   // kh . dkh (DFACTOR).
   float* part = flp(Ly.part);
@@ -1333,7 +1337,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     BB_UNROLL
     for (int k = 0; k < SC::kw; ++k) {
       const int e = tid + k * NT;
-      if (e < (C << lgC)) s_W[e + (e >> lgC)] = rt_raw_f(u.w[k], a.segsum.dt);
+      if (e < (C << lgC)) s_W[w_idx(e)] = rt_raw_f(u.w[k], a.segsum.dt);
     }
     BB_UNROLL
     for (int k = 0; k < SC::kq; ++k) {
@@ -1368,7 +1372,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const int t = s0 + i;
       const bool in = i < L, rev = in && !partial;
       const uint32_t uda = in ? rt_ld_raw(a.da_cs.p, o3(a.da_cs, b, h, t), a.da_cs.dt) : 0u;
-      const uint32_t uF = rev ? rt_ld_raw(a.da_cs_rev.p, o3(a.da_cs_rev, b, h, t), a.da_cs_rev.dt) : 0u;
+      const uint32_t uF =
+          rev ? rt_ld_raw(a.da_cs_rev.p, o3(a.da_cs_rev, b, h, t), a.da_cs_rev.dt) : 0u;
       const uint32_t udt = rt_ld_raw(a.dt.p, o3(a.dt, b, h, t), a.dt.dt);
       const uint32_t utr = rt_ld_raw(a.trap.p, o3(a.trap, b, h, t), a.trap.dt);
       if (in) s_dacs[i] = rt_raw_f(uda, a.da_cs.dt);
@@ -1384,7 +1389,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const int64_t w0 = o3(a.segsum, b, h, c);
       for (int e = tid; e < (C << lgC); e += NT) {
         const int i = e >> lgC, j = e & (C - 1);
-        s_W[e + i] = !partial && j < i && i < L
+        s_W[w_idx(e)] = !partial && j < i && i < L
                      ? ld(a.segsum, w0 + i * a.segsum.s[3] + j * a.segsum.s[4])
                      : 0.f;
       }
@@ -1427,8 +1432,9 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   // in ncu); issued a chunk ahead, their latency overlaps the DQ / DK stores, the DMIMO_V
   // partial and stage_chunk. Specialised kernels only (compile-time counts: RawCounts; the
   // states rows only where RawCounts::st) and the benchmark's layout: no gate, bf16 dout (and
-  // states), pair loads (raw_on); elsewhere phase 0 loads them itself. The same rows per thread in the same order, the same values (ld2_t's,
-  // rank_weights' as rt_ld_raw / rt_raw_f), the same arithmetic: the same bits.
+  // states), pair loads (raw_on); elsewhere phase 0 loads them itself. The same rows per thread
+  // in the same order, the same values (ld2_t's, rank_weights' as rt_ld_raw / rt_raw_f), the
+  // same arithmetic: the same bits.
   using RC = RawCounts<AT>;
   struct RawRows {
     uint32_t v[RC::kx], d[RC::kx];  // bf16 pairs of v and dout (rows >= TL: not loaded)
@@ -1505,9 +1511,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // The 64-bit base offsets below are formed in the loop (or block) that uses them, not here:
     // kept live across phase 2 they cost spills at its 128 registers.
     // exp(segsum[c, i, j]), j < i < L; a partial last chunk from da_cs alone (tail contract).
-    // Rows of C + 1 floats (element e = i C + j of [C][C] at e + i): the builds read W down a
-    // column across a warp's lanes (M2, M3; M1 at R = 1, 2), 16- to 32-way bank conflicts with
-    // rows of C floats at C >= 32.
+    // (w_idx(i C + j) for j < C, written with i: the builds have it at hand.)
     auto Wf = [&](int i, int j) { return s_W[(i << lgC) + i + j]; };  // exp(segsum[c, i, j])
 
     // ---- phase 0: planes (the per-step inputs were staged before the chunk: stage_chunk)
@@ -1577,7 +1581,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // alone (the tail contract), in place over the staged raw segsum.
     for (int e = tid; e < (C << lgC); e += NT) {
       const int i = e >> lgC, j = e & (C - 1);
-      s_W[e + i] = j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[e + i]) : 0.f;
+      s_W[w_idx(e)] =
+          j < i && i < L ? expf(partial ? s_dacs[i] - s_dacs[j] : s_W[w_idx(e)]) : 0.f;
     }
 
     // qh, kh: tasks per source, step and four rotation columns over the R ranks; the biases
