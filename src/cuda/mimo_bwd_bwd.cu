@@ -102,6 +102,20 @@ PlanesKernels planes_kernels(const Args& a) {
   return pk;
 }
 
+// The state chain kernel replacing K1 + K2 where one exists (the contiguous-layout sets of the
+// specialised shapes, more than one chunk; MAMBA3_BB_CHAIN=0: never), else {}.
+bb::ChainKernel chain_kernel(const Args& a, const bb::Plan& pl) {
+  if (!pl.planes || pl.grid1 == 0 || !bb::chain_allowed_by_env()) return {};
+  switch (bb::k3_kind(a)) {
+    case bb::K3Kind::kShapeLayout:
+      return bb::ct_chain_bwd_bwd(a);
+    case bb::K3Kind::kShapeLayoutCombined:
+      return bb::ct_chain_combined(a);
+    default:
+      return {};
+  }
+}
+
 }  // namespace
 
 size_t mimo_bwd_bwd_workspace_bytes(const MimoBwdBwdParams& p) { return bb::make_plan(p).bytes; }
@@ -133,7 +147,15 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
     bb_angle_table_kernel<<<static_cast<unsigned>(pl.grid_cs), kThreads, 0, st>>>(a);
     check_launch("mimo_bwd_bwd: angle table kernel");
   }
-  if (pl.grid1 > 0 && pl.planes) {
+  const bb::ChainKernel ck = chain_kernel(a, pl);
+  if (ck.k.kernel) {
+    // K1 and K2 in one: dS_c straight into the slab.
+    set_smem(ck.k.kernel, p.device_id, static_cast<size_t>(ck.smem),
+             "mimo_bwd_bwd: cudaFuncSetAttribute(state chain kernel)");
+    ck.k.launch(a, static_cast<unsigned>(int64_t{a.B} * a.H * ck.per_bh), bb::kChainThreads,
+                ck.smem, st);
+    check_launch("mimo_bwd_bwd: state chain kernel");
+  } else if (pl.grid1 > 0 && pl.planes) {
     set_smem(pk.k1.kernel, p.device_id, pl.ply.inc_bytes,
              "mimo_bwd_bwd: cudaFuncSetAttribute(planes increment kernel)");
     pk.k1.launch(a, static_cast<unsigned>(pl.grid1), bb::kIncPlanesThreads,
@@ -143,8 +165,10 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
     bb_increment_kernel<<<static_cast<unsigned>(pl.grid1), kThreads, pl.smem1, st>>>(a);
     check_launch("mimo_bwd_bwd: state increment kernel");
   }
-  bb_scan_kernel<<<static_cast<unsigned>(pl.grid2), kThreads, 0, st>>>(a);
-  check_launch("mimo_bwd_bwd: dstate scan kernel");
+  if (!ck.k.kernel) {
+    bb_scan_kernel<<<static_cast<unsigned>(pl.grid2), kThreads, 0, st>>>(a);
+    check_launch("mimo_bwd_bwd: dstate scan kernel");
+  }
   if (pl.planes) {
     const int smem = static_cast<int>(pl.ply.bytes);
     // One CTA per SM (its shared memory), grid-stride over the chunks.

@@ -10,6 +10,7 @@
 #include "cuda/common.cuh"
 #include "cuda/mimo_bwd_bwd_chunk_planes.cuh"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
+#include "cuda/mimo_bwd_bwd_state_chain.cuh"
 
 namespace mamba3::cuda::bb {
 
@@ -29,6 +30,17 @@ PlanesKernel ct_k1_bwd_bwd(const Args& a);
 PlanesKernel ct_k3_bwd_bwd(const Args& a);
 PlanesKernel ct_k1_combined(const Args& a);
 PlanesKernel ct_k3_combined(const Args& a);
+
+// The state chain kernel (K1 + K2 in one: mimo_bwd_bwd_state_chain.cuh) of a's shape and
+// contiguous-layout set: launched with `per_bh` CTAs per (b, h) of kChainThreads and `smem`
+// bytes of shared memory; {} (kernel nullptr) where there is none (a's shape is not one of
+// MAMBA3_BB_CT_SHAPES, or N32: ct_chain_entry).
+struct ChainKernel {
+  PlanesKernel k;
+  int smem = 0, per_bh = 0;
+};
+ChainKernel ct_chain_bwd_bwd(const Args& a);
+ChainKernel ct_chain_combined(const Args& a);
 
 // ---- the kernels (instantiated by the translation unit of their kind only)
 
@@ -55,6 +67,16 @@ __global__ void __launch_bounds__(kIncPlanesThreads, kIncPlanesMinBlocks)
     bb_increment_planes_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
   extern __shared__ __align__(16) unsigned char inc_planes_smem[];
   increment_planes_body(a, inc_planes_smem);
+}
+
+// The state chain: each CTA one block of dS of one (b, h) (ChainSplit); 2 per SM (<= 128
+// registers; at most ~57 KB of shared memory each), so that the grid's 256 CTAs (B4 H16) are
+// resident at once.
+template <int N, int P, int R, int C, int CL>
+__global__ void __launch_bounds__(kChainThreads, 2)
+    bb_state_chain_ct_kernel(const __grid_constant__ ArgsCT<N, P, R, C, CL> a) {
+  extern __shared__ __align__(16) unsigned char chain_smem[];
+  state_chain_body(a, chain_smem);
 }
 
 // The parameter block of shape (N, P, R, C) and operand set CL from a.
@@ -92,6 +114,24 @@ PlanesKernel ct_k3_entry() {
           }};
 }
 
+// None at N32 (K1 + K2 there): its one row block leaves four column blocks each forming all of
+// q's rows, and the chain measured slower than K1 + K2 (0.183 against 0.163 ms on an H100;
+// its first form 0.185 against 0.154 on an H200; session 22).
+template <int N, int P, int R, int C, int CL>
+ChainKernel ct_chain_entry() {
+  if constexpr (N == 32) {
+    return {};
+  } else {
+    return {{reinterpret_cast<const void*>(bb_state_chain_ct_kernel<N, P, R, C, CL>),
+             [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+               bb_state_chain_ct_kernel<N, P, R, C, CL>
+                   <<<grid, nt, smem, st>>>(ct_args<N, P, R, C, CL>(a));
+             }},
+            chain_smem_bytes<N, P, R, C>(),
+            chain_blocks_per_bh<N, P>()};
+  }
+}
+
 // K1 / K3 of operand set CL for a's shape, or {}.
 template <int CL>
 PlanesKernel ct_k1_of(const Args& a) {
@@ -109,6 +149,15 @@ PlanesKernel ct_k3_of(const Args& a) {
     return ct_k3_entry<n, p, r, c, CL>();
   MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_K3)
 #undef MAMBA3_BB_CT_K3
+  return {};
+}
+template <int CL>
+ChainKernel ct_chain_of(const Args& a) {
+#define MAMBA3_BB_CT_CHAIN(n, p, r, c)                                \
+  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
+    return ct_chain_entry<n, p, r, c, CL>();
+  MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_CHAIN)
+#undef MAMBA3_BB_CT_CHAIN
   return {};
 }
 

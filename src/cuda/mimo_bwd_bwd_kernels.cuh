@@ -25,6 +25,9 @@
 //   increment_body and chunk_body stay for the rest (fp16 activations among them: see
 //   make_plan).
 //   K4: sums those partials over the chunks in a fixed order (compensated): DMIMO_V, DD.
+//   Where the planes K3 is specialised to the shape and the contiguous layouts of its operand
+//   set (but N32), K1 and K2 are one kernel (mimo_bwd_bwd_state_chain.cuh: dS carried in
+//   registers over the chunks, U never written; the same bits).
 // Determinism: every reduction runs in one thread or through a fixed-shape block tree (shared
 // memory, or warp-shuffle butterflies); nothing depends on scheduling (no atomics), so repeated
 // calls give identical bits.
@@ -1089,6 +1092,12 @@ inline bool prefetch_allowed_by_env() {
 // changes neither the workspace nor the outputs), so a test can compare both in one process.
 inline bool specialized_allowed_by_env() {
   const char* e = std::getenv("MAMBA3_BB_SPECIALIZED");
+  return e == nullptr || e[0] != '0';
+}
+// MAMBA3_BB_CHAIN=0: K1 and K2 on the planes path even where the state chain kernel exists
+// (mimo_bwd_bwd_state_chain.cuh; for A/B runs in one process and the bits tests).
+inline bool chain_allowed_by_env() {
+  const char* e = std::getenv("MAMBA3_BB_CHAIN");
   return e == nullptr || e[0] != '0';
 }
 // MAMBA3_BB_CT_LAYOUT=0: the planes K3 specialised to the shape only, never to the contiguous

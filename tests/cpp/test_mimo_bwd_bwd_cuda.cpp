@@ -292,8 +292,9 @@ TEST(MimoBwdBwdCuda, ArbitraryStridesAndOffsetsGiveIdenticalBits) {
 // (reduce-O, contiguous, bf16 trap and outputs: bench/bench_mimo_bwd.py's bwd_bwd), which take
 // the K1 and K3 specialised to the contiguous layouts too (bb::ArgsCT<.., bb::kCtBwdBwd>; the plan
 // test MimoBwdBwdEmulated.PlanPicksContiguousLayoutKernel checks that choice for these dtypes):
-// their bits against the generic kernels and against the shape-only copies
-// (MAMBA3_BB_CT_LAYOUT=0); the combined backward's operand set: MimoBwdCombinedCuda.
+// their bits against the generic kernels, against the shape-only copies
+// (MAMBA3_BB_CT_LAYOUT=0) and with K1 + K2 for the state chain kernel that these operands take
+// (MAMBA3_BB_CHAIN=0); the combined backward's operand set: MimoBwdCombinedCuda.
 // ContiguousLayoutKernelGivesIdenticalBits.
 TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
   SKIP_WITHOUT_CUDA();
@@ -330,6 +331,12 @@ TEST(MimoBwdBwdCuda, SpecializedKernelGivesIdenticalBits) {
       EXPECT_TRUE(cl[j] == shape[j] && cl[j] == spec[j])
           << kOutNames[j] << " differs from the shape-only K3 at N" << s[0] << " P" << s[1]
           << " R" << s[2] << " C" << s[3];
+    // ... and those of K1 + K2 in place of the state chain kernel (MAMBA3_BB_CHAIN=0).
+    const auto [ch, k12] = results_default_and_switched_off(dev, "MAMBA3_BB_CHAIN");
+    for (size_t j = 0; j < ch.size(); ++j)
+      EXPECT_TRUE(ch[j] == k12[j] && ch[j] == spec[j])
+          << kOutNames[j] << " differs with K1 + K2 for the state chain at N" << s[0] << " P"
+          << s[1] << " R" << s[2] << " C" << s[3];
     expect_finite(op, spec);
   }
 #endif

@@ -30,6 +30,7 @@
 #include "cta_emulator.hpp"
 #include "cuda/mimo_bwd_bwd_chunk_planes.cuh"
 #include "cuda/mimo_bwd_bwd_kernels.cuh"
+#include "cuda/mimo_bwd_bwd_state_chain.cuh"
 #include "host_operands.hpp"
 #include "mamba3/mamba3.h"
 #include "mamba3_golden/host.hpp"
@@ -111,6 +112,28 @@ bool launch_planes_ct(const bb::Args& a, int64_t grid, unsigned char* smem, bool
   return true;
 }
 
+// The state chain kernel (K1 + K2 in one) of shape (N, P, R, C) and the contiguous-layout set a
+// meets, as mimo_bwd_bwd.cu launches it (bb::ct_chain_*: B H chain_blocks_per_bh CTAs); false
+// where a has another shape or meets no such set.
+template <int N, int P, int R, int C>
+bool launch_chain_ct(const bb::Args& a) {
+  if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4) return false;
+  const bb::CtSet set = ct_set(a);
+  if (set == bb::kCtShape) return false;
+  std::vector<unsigned char> smem(bb::chain_smem_bytes<N, P, R, C>(), 0xff);
+  const int64_t grid = int64_t{a.B} * a.H * bb::chain_blocks_per_bh<N, P>();
+  auto run = [&](auto cl) {
+    auto s = std::make_unique<bb::ArgsCT<N, P, R, C, decltype(cl)::value>>();
+    s->set(a);
+    launch(grid, bb::kChainThreads, [&] { bb::state_chain_body(*s, smem.data()); });
+  };
+  if (set == bb::kCtBwdBwd)
+    run(std::integral_constant<int, bb::kCtBwdBwd>{});
+  else
+    run(std::integral_constant<int, bb::kCtCombined>{});
+  return true;
+}
+
 // Runs the four kernels exactly as src/cuda/mimo_bwd_bwd.cu launches them. scalar_loads: the
 // planes kernels' pair loads and stores replaced by their two-access fallback (what other
 // layouts take).
@@ -127,7 +150,13 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
   if (pl.grid_cs > 0) launch(pl.grid_cs, bb::kThreads, [&] { bb::angle_table_body(a); });
   const bool spec =
       (k3 == K3::PlanesCT || k3 == K3::PlanesCTL || k3 == K3::PlanesCTShape) && !scalar_loads;
-  if (pl.grid1 > 0 && pl.planes) {
+  // K1 + K2 as the state chain kernel where the device takes it (the contiguous-layout K3).
+  const bool chain = pl.grid1 > 0 && pl.planes && k3 == K3::PlanesCTL && !scalar_loads &&
+                     bb::chain_allowed_by_env();
+  if (chain) {
+    ASSERT_TRUE((launch_chain_ct<128, 64, 4, 16>(a) || launch_chain_ct<256, 64, 4, 8>(a)))
+        << "no state chain kernel of this shape and layout in the test";
+  } else if (pl.grid1 > 0 && pl.planes) {
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
     // K1 specialised with K3 (as mimo_bwd_bwd.cu: the test's shapes are not N16).
     if (spec) {
@@ -144,7 +173,7 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
     std::vector<float> smem(pl.smem1 / sizeof(float), std::numeric_limits<float>::quiet_NaN());
     launch(pl.grid1, bb::kThreads, [&] { bb::increment_body(a, smem.data()); });
   }
-  launch(pl.grid2, bb::kThreads, [&] { bb::scan_body(a); });
+  if (!chain) launch(pl.grid2, bb::kThreads, [&] { bb::scan_body(a); });
   if (pl.planes) {
     // 0xff bytes: NaN as fp32 and as bf16 (a read before a write shows up).
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.bytes), 0xff);
@@ -515,6 +544,8 @@ TEST(MimoBwdBwdEmulated, PlanesKernelSpecialisedGivesIdenticalBits) {
 // benchmark (bb::ArgsCT<.., kCtBwdBwd>: compile-time dtypes, strides and flags, 32-bit offsets)
 // against the generic one and the shape-only one: the same bits. Batches and heads (the
 // runtime strides), full and partial chunks, several chunks per CTA; fp32 and bf16 outputs.
+// The first run also takes the state chain kernel for K1 + K2 (as the device does with these
+// operands), the others K1 and K2: the same bits there too.
 TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
   const IoType BF = IoType::BF16;
   Shape s{2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};

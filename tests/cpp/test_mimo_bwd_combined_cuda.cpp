@@ -205,7 +205,8 @@ struct CbBench {
 // The second pass's planes K3 specialised to the combined backward's contiguous operands (fp32
 // states, qk_dot and per-head dq / dk, the Z gate: bb::ArgsCT<.., kCtCombined>, which the
 // benchmark's operands select) gives the bits of the shape-only copy (MAMBA3_BB_CT_LAYOUT=0) and
-// of the generic kernels (MAMBA3_BB_SPECIALIZED=0), at each reference shape (whole and partial
+// of the generic kernels (MAMBA3_BB_SPECIALIZED=0), and with K1 + K2 in place of the state
+// chain kernel (MAMBA3_BB_CHAIN=0), at each reference shape (whole and partial
 // chunks: S = 150); all 14 gradients finite.
 TEST(MimoBwdCombinedCuda, ContiguousLayoutKernelGivesIdenticalBits) {
   SKIP_WITHOUT_CUDA();
@@ -220,7 +221,11 @@ TEST(MimoBwdCombinedCuda, ContiguousLayoutKernelGivesIdenticalBits) {
         cuda_ops::results_default_and_switched_off(dev, "MAMBA3_BB_CT_LAYOUT");
     const auto [spec, gen] =
         cuda_ops::results_default_and_switched_off(dev, "MAMBA3_BB_SPECIALIZED");
+    const auto [ch, k12] = cuda_ops::results_default_and_switched_off(dev, "MAMBA3_BB_CHAIN");
     for (size_t j = 0; j < cl.size(); ++j) {
+      EXPECT_TRUE(ch[j] == k12[j] && ch[j] == cl[j])
+          << names[j] << " differs with K1 + K2 for the state chain at N" << s[0] << " P" << s[1]
+          << " R" << s[2] << " C" << s[3];
       EXPECT_TRUE(cl[j] == shape[j] && cl[j] == spec[j])
           << names[j] << " differs from the shape-only K3 at N" << s[0] << " P" << s[1] << " R"
           << s[2] << " C" << s[3];
