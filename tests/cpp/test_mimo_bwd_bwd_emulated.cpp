@@ -559,6 +559,7 @@ TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
 // The same for the combined backward's operand set (bb::ArgsCT<.., kCtCombined>: fp32 states,
 // qk_dot, dq, dk; the Z gate on a bf16 z), against the generic and the shape-only K3: the same
 // bits; and against the CPU backend and the golden with the gate folded into a per-rank dout.
+// The first run takes the state chain kernel (the gated dPhiO rows) for K1 + K2, as above.
 TEST(MimoBwdBwdEmulated, PlanesKernelCombinedLayoutGivesIdenticalBits) {
   const IoType BF = IoType::BF16;
   Shape s{2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
