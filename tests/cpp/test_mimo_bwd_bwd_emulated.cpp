@@ -554,6 +554,11 @@ TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
   Shape s2{1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF};
   s2.bench_dtypes = true;
   check_case(s2, 512, 3, K3::PlanesCTL);
+  // Seven chunks, the last partial: the state chain's two register sets and plane buffers
+  // alternate over more chunks than its pipeline is deep.
+  Shape s3{1, 100, 1, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
+  s3.bench_dtypes = true;
+  check_case(s3, 513, 2, K3::PlanesCTL);
 }
 
 // The same for the combined backward's operand set (bb::ArgsCT<.., kCtCombined>: fp32 states,
