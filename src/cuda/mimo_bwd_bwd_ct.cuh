@@ -132,33 +132,44 @@ ChainKernel ct_chain_entry() {
   }
 }
 
-// K1 / K3 of operand set CL for a's shape, or {}.
+// The entry of one kind (K1, K3, state chain) as a class template over the shape and set, for
+// ct_of's dispatch.
+template <int N, int P, int R, int C, int CL>
+struct CtK1 {
+  static PlanesKernel get() { return ct_k1_entry<N, P, R, C, CL>(); }
+};
+template <int N, int P, int R, int C, int CL>
+struct CtK3 {
+  static PlanesKernel get() { return ct_k3_entry<N, P, R, C, CL>(); }
+};
+template <int N, int P, int R, int C, int CL>
+struct CtChain {
+  static ChainKernel get() { return ct_chain_entry<N, P, R, C, CL>(); }
+};
+
+// Entry<N, P, R, C, CL>::get() for a's shape (one of MAMBA3_BB_CT_SHAPES), or {}.
+template <template <int, int, int, int, int> class Entry, int CL>
+auto ct_of(const Args& a) -> decltype(Entry<16, 64, 4, 8, CL>::get()) {
+#define MAMBA3_BB_CT_OF(n, p, r, c)                                   \
+  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
+    return Entry<n, p, r, c, CL>::get();
+  MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_OF)
+#undef MAMBA3_BB_CT_OF
+  return {};
+}
+
+// K1 / K3 / the state chain of operand set CL for a's shape, or {}.
 template <int CL>
 PlanesKernel ct_k1_of(const Args& a) {
-#define MAMBA3_BB_CT_K1(n, p, r, c)                                   \
-  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
-    return ct_k1_entry<n, p, r, c, CL>();
-  MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_K1)
-#undef MAMBA3_BB_CT_K1
-  return {};
+  return ct_of<CtK1, CL>(a);
 }
 template <int CL>
 PlanesKernel ct_k3_of(const Args& a) {
-#define MAMBA3_BB_CT_K3(n, p, r, c)                                   \
-  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
-    return ct_k3_entry<n, p, r, c, CL>();
-  MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_K3)
-#undef MAMBA3_BB_CT_K3
-  return {};
+  return ct_of<CtK3, CL>(a);
 }
 template <int CL>
 ChainKernel ct_chain_of(const Args& a) {
-#define MAMBA3_BB_CT_CHAIN(n, p, r, c)                                \
-  if (a.N == n && a.P == p && a.R == r && a.C == c && a.A == n / 4) \
-    return ct_chain_entry<n, p, r, c, CL>();
-  MAMBA3_BB_CT_SHAPES(MAMBA3_BB_CT_CHAIN)
-#undef MAMBA3_BB_CT_CHAIN
-  return {};
+  return ct_of<CtChain, CL>(a);
 }
 
 }  // namespace mamba3::cuda::bb
