@@ -9,6 +9,7 @@ The per-instruction counters come from bench/ncu_source_counters.py; the line of
 instruction from the line table of the cubin embedded in the report (`nvdisasm -g`; the library
 is built with -lineinfo). Lines are those of the source the report's library was built from.
 """
+
 import argparse
 import collections
 import csv
@@ -22,12 +23,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ncu_source_counters as ncs  # noqa: E402
 
-COLS = {"samples": "smsp__pcsamp_sample_count", "inst": "inst_executed",
-        "shared excess": "derived__memory_l1_wavefronts_shared_excessive",
-        "long sb": "smsp__pcsamp_warps_issue_stalled_long_scoreboard",
-        "short sb": "smsp__pcsamp_warps_issue_stalled_short_scoreboard",
-        "barrier": "smsp__pcsamp_warps_issue_stalled_barrier",
-        "wait": "smsp__pcsamp_warps_issue_stalled_wait"}
+COLS = {
+    "samples": "smsp__pcsamp_sample_count",
+    "inst": "inst_executed",
+    "shared excess": "derived__memory_l1_wavefronts_shared_excessive",
+    "long sb": "smsp__pcsamp_warps_issue_stalled_long_scoreboard",
+    "short sb": "smsp__pcsamp_warps_issue_stalled_short_scoreboard",
+    "barrier": "smsp__pcsamp_warps_issue_stalled_barrier",
+    "wait": "smsp__pcsamp_warps_issue_stalled_wait",
+}
 
 
 def main():
@@ -39,12 +43,25 @@ def main():
     a = ap.parse_args()
     tool = ncs.find_tool("nvdisasm", a.nvdisasm)
     if not tool:
-        raise SystemExit("nvdisasm not found (NVDISASM=..., PATH, or the nvidia-cuda-nvdisasm wheel)")
+        raise SystemExit(
+            "nvdisasm not found (NVDISASM=..., PATH, or the nvidia-cuda-nvdisasm wheel)"
+        )
     with tempfile.TemporaryDirectory() as td:
         out_csv, cubin = os.path.join(td, "k.csv"), os.path.join(td, "k.cubin")
-        subprocess.run([sys.executable, os.path.join(HERE, "ncu_source_counters.py"), a.report,
-                        out_csv, "--dump-cubin", cubin, "--nvdisasm", tool],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(HERE, "ncu_source_counters.py"),
+                a.report,
+                out_csv,
+                "--dump-cubin",
+                cubin,
+                "--nvdisasm",
+                tool,
+            ],
+            check=True,
+            capture_output=True,
+        )
         rows = list(csv.DictReader(open(out_csv)))
         dis = subprocess.run([tool, "-g", "-c", cubin], capture_output=True, text=True).stdout
     # The kernel: the function whose code holds the rows' offsets; its name from the report's
@@ -83,16 +100,23 @@ def main():
             v = float(r.get(c) or 0)
             agg[key][k] += v
             tot[k] += v
-    print(f"kernel {kernel}; per chunk (/{a.chunks:g}): " +
-          ", ".join(f"{k} {tot[k] / a.chunks:.0f}" for k in ("inst", "shared excess")))
-    print("| file:line | samples % | inst | shared excess | long sb % | short sb % | barrier % | wait % |")
+    print(
+        f"kernel {kernel}; per chunk (/{a.chunks:g}): "
+        + ", ".join(f"{k} {tot[k] / a.chunks:.0f}" for k in ("inst", "shared excess"))
+    )
+    print(
+        "| file:line | samples % | inst | shared excess | long sb % | short sb % | barrier % "
+        "| wait % |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     s = tot["samples"] or 1.0
-    for key, v in sorted(agg.items(), key=lambda kv: -kv[1]["samples"])[:a.top]:
-        print(f"| {key[0]}:{key[1]} | {100 * v['samples'] / s:.1f} | {v['inst'] / a.chunks:.0f} | "
-              f"{v['shared excess'] / a.chunks:.0f} | {100 * v['long sb'] / s:.1f} | "
-              f"{100 * v['short sb'] / s:.1f} | {100 * v['barrier'] / s:.1f} | "
-              f"{100 * v['wait'] / s:.1f} |")
+    for key, v in sorted(agg.items(), key=lambda kv: -kv[1]["samples"])[: a.top]:
+        print(
+            f"| {key[0]}:{key[1]} | {100 * v['samples'] / s:.1f} | {v['inst'] / a.chunks:.0f} | "
+            f"{v['shared excess'] / a.chunks:.0f} | {100 * v['long sb'] / s:.1f} | "
+            f"{100 * v['short sb'] / s:.1f} | {100 * v['barrier'] / s:.1f} | "
+            f"{100 * v['wait'] / s:.1f} |"
+        )
 
 
 if __name__ == "__main__":

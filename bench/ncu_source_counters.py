@@ -49,6 +49,7 @@ columns are renamed/derived like `ncu --page source --csv --print-source sass`
 Enum metrics: memory_type 4=Global 8=Local 16=Shared; memory_access_type 2=Load
 4=Store; memory_access_size_type = bits (U16 accesses show 8 -- unverified).
 """
+
 import argparse
 import bz2
 import csv
@@ -92,14 +93,14 @@ def pb_parse(b):
         if wt == 0:
             v, i = _varint(b, i)
         elif wt == 1:
-            v = b[i:i + 8]
+            v = b[i : i + 8]
             i += 8
         elif wt == 5:
-            v = b[i:i + 4]
+            v = b[i : i + 4]
             i += 4
         elif wt == 2:
             ln, i = _varint(b, i)
-            v = b[i:i + ln]
+            v = b[i : i + ln]
             i += ln
         else:
             raise ValueError("wiretype %d" % wt)
@@ -150,6 +151,7 @@ def maybe_decompress(b):
     if b[:4] == b"\x28\xb5\x2f\xfd":
         try:
             import zstandard  # optional
+
             return zstandard.ZstdDecompressor().decompress(b, max_output_size=1 << 31)
         except Exception:
             pass
@@ -168,7 +170,7 @@ def read_report(path):
     while i + 4 <= len(b):
         hl = struct.unpack_from("<I", b, i)[0]
         i += 4
-        hdr = pb_parse(b[i:i + hl])
+        hdr = pb_parse(b[i : i + hl])
         i += hl
         h = {}
         for f, wt, v in hdr:
@@ -180,7 +182,7 @@ def read_report(path):
         j = i
         for k in range(nsrc + nres):
             ln = struct.unpack_from("<I", b, j)[0]
-            msg = b[j + 4:j + 4 + ln]
+            msg = b[j + 4 : j + 4 + ln]
             j += 4 + ln
             if k < nsrc:
                 sources.append(msg)
@@ -204,7 +206,8 @@ def elf_symbols(elf):
     for k in range(e_shnum):
         o = e_shoff + k * e_shentsize
         name, typ, flags, addr, off, size, link, info, align, entsize = struct.unpack_from(
-            "<IIQQQQIIQQ", elf, o)
+            "<IIQQQQIIQQ", elf, o
+        )
         secs.append(dict(name=name, type=typ, off=off, size=size, link=link, entsize=entsize))
     shstr = secs[e_shstrndx]
 
@@ -223,7 +226,8 @@ def elf_symbols(elf):
         n = s["size"] // 24
         for k in range(n):
             st_name, st_info, st_other, st_shndx, st_value, st_size = struct.unpack_from(
-                "<IBBHQQ", elf, s["off"] + k * 24)
+                "<IBBHQQ", elf, s["off"] + k * 24
+            )
             syms.append((k, cstr(strsec, st_name), st_value, st_size, st_shndx, st_info & 0xF))
     return syms, secs
 
@@ -260,8 +264,12 @@ def disassemble(cubin_path, sym_index, sym_name, nvdisasm=None):
     tool = find_tool("nvdisasm", nvdisasm)
     lines = None
     if tool:
-        p = subprocess.run([tool, "-c", "-fun", str(sym_index), cubin_path],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.run(
+            [tool, "-c", "-fun", str(sym_index), cubin_path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         if p.returncode == 0:
             lines = p.stdout.splitlines()
         else:
@@ -270,8 +278,12 @@ def disassemble(cubin_path, sym_index, sym_name, nvdisasm=None):
         tool = find_tool("cuobjdump")
         if not tool:
             raise SystemExit("neither nvdisasm nor cuobjdump found (set NVDISASM=...)")
-        p = subprocess.run([tool, "-sass", "-fun", sym_name, cubin_path],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.run(
+            [tool, "-sass", "-fun", sym_name, cubin_path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         lines = p.stdout.splitlines()
     ins = {}
     labels = {}
@@ -303,6 +315,7 @@ _TGT_RE = re.compile(r"`\(([^)]+)\)")
 
 def ncu_style(txt, labels, base, fun_name):
     """Format like ncu's source page: predicate column of width 6, label -> abs addr."""
+
     def rep(m):
         l = m.group(1)
         if l in labels:
@@ -310,6 +323,7 @@ def ncu_style(txt, labels, base, fun_name):
         if l == fun_name:
             return "0x%x" % base
         return m.group(0)
+
     txt = _TGT_RE.sub(rep, txt)
     txt = txt.replace(".reuse", "")  # ncu's source view omits operand-reuse flags
     m = _PRED_RE.match(txt)
@@ -323,14 +337,24 @@ def ncu_style(txt, labels, base, fun_name):
 # ----------------------------------------------------------------------------
 
 STALL_SHORT = [
-    ("barrier", "stall_barrier"), ("branch_resolving", "stall_branch_resolving"),
-    ("dispatch_stall", "stall_dispatch"), ("drain", "stall_drain"),
-    ("imc_miss", "stall_imc"), ("lg_throttle", "stall_lg"),
-    ("long_scoreboard", "stall_long_sb"), ("math_pipe_throttle", "stall_math"),
-    ("membar", "stall_membar"), ("mio_throttle", "stall_mio"), ("misc", "stall_misc"),
-    ("no_instructions", "stall_no_inst"), ("not_selected", "stall_not_selected"),
-    ("selected", "stall_selected"), ("short_scoreboard", "stall_short_sb"),
-    ("sleeping", "stall_sleep"), ("tex_throttle", "stall_tex"), ("wait", "stall_wait"),
+    ("barrier", "stall_barrier"),
+    ("branch_resolving", "stall_branch_resolving"),
+    ("dispatch_stall", "stall_dispatch"),
+    ("drain", "stall_drain"),
+    ("imc_miss", "stall_imc"),
+    ("lg_throttle", "stall_lg"),
+    ("long_scoreboard", "stall_long_sb"),
+    ("math_pipe_throttle", "stall_math"),
+    ("membar", "stall_membar"),
+    ("mio_throttle", "stall_mio"),
+    ("misc", "stall_misc"),
+    ("no_instructions", "stall_no_inst"),
+    ("not_selected", "stall_not_selected"),
+    ("selected", "stall_selected"),
+    ("short_scoreboard", "stall_short_sb"),
+    ("sleeping", "stall_sleep"),
+    ("tex_throttle", "stall_tex"),
+    ("wait", "stall_wait"),
     ("warpgroup_arrive", "stall_warpgroup_arrive"),
 ]
 
@@ -340,7 +364,10 @@ NCU_COLS = [  # (ncu column, report metric)
     ("Predicated-On Thread Instructions Executed", "thread_inst_executed_true"),
     ("Avg. Threads Executed", "derived__avg_thread_executed"),
     ("Avg. Predicated-On Threads Executed", "derived__avg_thread_executed_true"),
-    ("Derivative Avg. Predicated-On Threads Executed", "derived__derivative_avg_thread_executed_true"),
+    (
+        "Derivative Avg. Predicated-On Threads Executed",
+        "derived__derivative_avg_thread_executed_true",
+    ),
     ("Avg. Predicated-On Threads Unexecuted", "derived__avg_thread_unexecuted_true"),
     ("Divergent Branches", "smsp__branch_targets_threads_divergent"),
     ("Address Space", "memory_type"),
@@ -351,17 +378,38 @@ NCU_COLS = [  # (ncu column, report metric)
     ("L1 Wavefronts Shared Excessive", "derived__memory_l1_wavefronts_shared_excessive"),
     ("L1 Wavefronts Shared", "memory_l1_wavefronts_shared"),
     ("L1 Wavefronts Shared Ideal", "memory_l1_wavefronts_shared_ideal"),
-    ("L2 Theoretical Sectors Global Excessive", "derived__memory_l2_theoretical_sectors_global_excessive"),
+    (
+        "L2 Theoretical Sectors Global Excessive",
+        "derived__memory_l2_theoretical_sectors_global_excessive",
+    ),
     ("L2 Theoretical Sectors Global", "memory_l2_theoretical_sectors_global"),
     ("L2 Theoretical Sectors Global Ideal", "memory_l2_theoretical_sectors_global_ideal"),
     ("L2 Theoretical Sectors Local", "memory_l2_theoretical_sectors_local"),
     ("L2 Explicit Evict Policies", "smsp__sass_inst_executed_memdesc_explicit_evict_type"),
-    ("L2 Explicit Hit Policy Evict First", "smsp__sass_inst_executed_memdesc_explicit_hitprop_evict_first"),
-    ("L2 Explicit Hit Policy Evict Last", "smsp__sass_inst_executed_memdesc_explicit_hitprop_evict_last"),
-    ("L2 Explicit Hit Policy Evict Normal", "smsp__sass_inst_executed_memdesc_explicit_hitprop_evict_normal"),
-    ("L2 Explicit Hit Policy Evict Normal Demote", "smsp__sass_inst_executed_memdesc_explicit_hitprop_evict_normal_demote"),
-    ("L2 Explicit Miss Policy Evict First", "smsp__sass_inst_executed_memdesc_explicit_missprop_evict_first"),
-    ("L2 Explicit Miss Policy Evict Normal", "smsp__sass_inst_executed_memdesc_explicit_missprop_evict_normal"),
+    (
+        "L2 Explicit Hit Policy Evict First",
+        "smsp__sass_inst_executed_memdesc_explicit_hitprop_evict_first",
+    ),
+    (
+        "L2 Explicit Hit Policy Evict Last",
+        "smsp__sass_inst_executed_memdesc_explicit_hitprop_evict_last",
+    ),
+    (
+        "L2 Explicit Hit Policy Evict Normal",
+        "smsp__sass_inst_executed_memdesc_explicit_hitprop_evict_normal",
+    ),
+    (
+        "L2 Explicit Hit Policy Evict Normal Demote",
+        "smsp__sass_inst_executed_memdesc_explicit_hitprop_evict_normal_demote",
+    ),
+    (
+        "L2 Explicit Miss Policy Evict First",
+        "smsp__sass_inst_executed_memdesc_explicit_missprop_evict_first",
+    ),
+    (
+        "L2 Explicit Miss Policy Evict Normal",
+        "smsp__sass_inst_executed_memdesc_explicit_missprop_evict_normal",
+    ),
 ]
 
 # Enum decodings inferred from this report vs. SASS opcodes and ncu's source page
@@ -373,8 +421,12 @@ MEMORY_TYPE = {4: "Global", 8: "Local", 16: "Shared"}
 MEMORY_ACCESS_TYPE = {2: "Load", 4: "Store"}
 
 
-ENUM_METRICS = {"memory_type", "memory_access_type", "memory_access_size_type",
-                "smsp__sass_inst_executed_memdesc_explicit_evict_type"}
+ENUM_METRICS = {
+    "memory_type",
+    "memory_access_type",
+    "memory_access_size_type",
+    "smsp__sass_inst_executed_memdesc_explicit_evict_type",
+}
 
 
 def _enum(v, table):
@@ -387,12 +439,19 @@ def _enum(v, table):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("report")
     ap.add_argument("out_csv")
-    ap.add_argument("--result", type=int, default=0, help="index of the profiled launch (default 0)")
-    ap.add_argument("--ncu-columns", action="store_true",
-                    help="name/derive columns like `ncu --page source --csv` (stall_*, 'Instructions Executed', ...)")
+    ap.add_argument(
+        "--result", type=int, default=0, help="index of the profiled launch (default 0)"
+    )
+    ap.add_argument(
+        "--ncu-columns",
+        action="store_true",
+        help="columns named / derived as `ncu --page source --csv` has them (stall_*, ...)",
+    )
     ap.add_argument("--nvdisasm", help="path to nvdisasm")
     ap.add_argument("--dump-cubin", help="also write the embedded cubin to this file")
     ap.add_argument("--list", action="store_true", help="list results/functions and exit")
@@ -439,8 +498,12 @@ def main():
         for el in pb_fields(mr, 3):
             c = pb_first(el, 1)
             v = pb_first(el, 2)
-            lst.append((metric_value(c) if c is not None else None,
-                        metric_value(v) if v is not None else None))
+            lst.append(
+                (
+                    metric_value(c) if c is not None else None,
+                    metric_value(v) if v is not None else None,
+                )
+            )
         metrics[name] = (agg, lst)
         order.append(name)
 
@@ -499,7 +562,14 @@ def main():
         ins, labels = disassemble(cubin_path, sidx, fname, a.nvdisasm)
         for off in range(0, size, 16):
             txt = ins.get(off)
-            rows.append((lo + off, ncu_style(txt, labels, lo, fname) if txt is not None else "      ?", lo, fname))
+            rows.append(
+                (
+                    lo + off,
+                    ncu_style(txt, labels, lo, fname) if txt is not None else "      ?",
+                    lo,
+                    fname,
+                )
+            )
     if not a.dump_cubin:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -515,13 +585,17 @@ def main():
         pcs_with_data.update(d)
     missing = pcs_with_data - set(r[0] for r in rows)
     if missing:
-        sys.stderr.write("warning: %d PCs with data have no disassembled instruction\n" % len(missing))
+        sys.stderr.write(
+            "warning: %d PCs with data have no disassembled instruction\n" % len(missing)
+        )
 
     print("kernel: %s" % demangled)
     for lo in sorted(used_funs):
         f = used_funs[lo]
-        print("function %s  load address 0x%x  size 0x%x (%d instructions)  ELF symbol %d" % (
-            f[2], f[0], f[4], f[4] // 16, f[3]))
+        print(
+            "function %s  load address 0x%x  size 0x%x (%d instructions)  ELF symbol %d"
+            % (f[2], f[0], f[4], f[4] // 16, f[3])
+        )
 
     # --- output ----------------------------------------------------------------------
     def num(v):
@@ -537,23 +611,40 @@ def main():
             w = csv.writer(fh, quoting=csv.QUOTE_ALL)
             w.writerow(header)
             for pc, txt, lo, fname in rows:
-                w.writerow(["0x%x" % pc, txt] +
-                           [num(per[m].get(pc, None if m in ENUM_METRICS else 0)) for m in src_metrics] +
-                           ["0x%x" % (pc - lo)])
+                w.writerow(
+                    ["0x%x" % pc, txt]
+                    + [num(per[m].get(pc, None if m in ENUM_METRICS else 0)) for m in src_metrics]
+                    + ["0x%x" % (pc - lo)]
+                )
         columns = [(m, m) for m in src_metrics]
     else:
         cols = []
         samp = "smsp__pcsamp_warps_issue_stalled_"
         stall_all = [(short, samp + long) for long, short in STALL_SHORT if samp + long in per]
-        stall_ni = [(("stall_sleeping" if long == "sleeping" else short) + " (Not Issued)",
-                     samp + long + "_not_issued") for long, short in STALL_SHORT
-                    if samp + long + "_not_issued" in per]
-        header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
-                  "Warp Stall Sampling (Not-issued Samples)", "# Samples"]
+        stall_ni = [
+            (
+                ("stall_sleeping" if long == "sleeping" else short) + " (Not Issued)",
+                samp + long + "_not_issued",
+            )
+            for long, short in STALL_SHORT
+            if samp + long + "_not_issued" in per
+        ]
+        header = [
+            "Address",
+            "Source",
+            "Warp Stall Sampling (All Samples)",
+            "Warp Stall Sampling (Not-issued Samples)",
+            "# Samples",
+        ]
         mapped = [(c, m) for c, m in NCU_COLS if m in per]
         header += [c for c, _ in mapped] + [c for c, _ in stall_all] + [c for c, _ in stall_ni]
-        extra = [m for m in src_metrics if m not in set(m for _, m in mapped) and
-                 m not in set(m for _, m in stall_all + stall_ni) and m != "smsp__pcsamp_sample_count"]
+        extra = [
+            m
+            for m in src_metrics
+            if m not in set(m for _, m in mapped)
+            and m not in set(m for _, m in stall_all + stall_ni)
+            and m != "smsp__pcsamp_sample_count"
+        ]
         header += extra + ["Offset"]
         with open(a.out_csv, "w", newline="") as fh:
             w = csv.writer(fh, quoting=csv.QUOTE_ALL)
@@ -562,7 +653,11 @@ def main():
                 r = ["0x%x" % pc, txt]
                 s_all = sum(per[m].get(pc, 0) for _, m in stall_all)
                 s_ni = sum(per[m].get(pc, 0) for _, m in stall_ni)
-                r += [num(s_all), num(s_ni), num(per.get("smsp__pcsamp_sample_count", {}).get(pc, 0))]
+                r += [
+                    num(s_all),
+                    num(s_ni),
+                    num(per.get("smsp__pcsamp_sample_count", {}).get(pc, 0)),
+                ]
                 for c, m in mapped:
                     v = per[m].get(pc)
                     if m in ENUM_METRICS:
@@ -586,7 +681,10 @@ def main():
 
     # --- summary -------------------------------------------------------------------
     print("\n%d rows written to %s" % (len(rows), a.out_csv))
-    print("\n%-66s %8s %18s %18s %s" % ("per-instruction metric", "#pcs", "column sum", "report aggregate", ""))
+    print(
+        "\n%-66s %8s %18s %18s %s"
+        % ("per-instruction metric", "#pcs", "column sum", "report aggregate", "")
+    )
     for m in src_metrics:
         vals = [v for v in per[m].values() if isinstance(v, (int, float))]
         tot = sum(vals)
@@ -595,10 +693,15 @@ def main():
         flag = ""
         if not enumlike and isinstance(agg, (int, float)):
             flag = "OK" if abs(tot - agg) <= 1e-6 * max(1, abs(agg)) else "DIFF"
-        print("%-66s %8d %18s %18s %s" % (m, len(per[m]), num(tot), num(agg), "(enum)" if enumlike else flag))
+        print(
+            "%-66s %8d %18s %18s %s"
+            % (m, len(per[m]), num(tot), num(agg), "(enum)" if enumlike else flag)
+        )
     other = [m for m in order if m not in src_metrics and metrics[m][1]]
-    print("\nother (non-per-PC) list metrics in the result: %d (e.g. %s)" % (
-        len(other), ", ".join(other[:6])))
+    print(
+        "\nother (non-per-PC) list metrics in the result: %d (e.g. %s)"
+        % (len(other), ", ".join(other[:6]))
+    )
 
 
 if __name__ == "__main__":
