@@ -3,24 +3,20 @@
 stall samples (all, long / short scoreboard, barrier, wait), executed warp instructions and
 excess shared-memory wavefronts (bank conflicts), per chunk when given the chunk count.
 
-  python3 bench/ncu_by_line.py REPORT.ncu-rep [--chunks N] [--top 40]
+  python3 bench/ncu_by_line.py REPORT.ncu-rep [--chunks N] [--top 40] [--result N]
 
-The per-instruction counters come from bench/ncu_source_counters.py; the line of each
-instruction from the line table of the cubin embedded in the report (`nvdisasm -g`; the library
-is built with -lineinfo). Lines are those of the source the report's library was built from.
+The per-instruction counters and each instruction's source line come from
+bench/ncu_source_counters.py's extract() (the line table of the cubin embedded in the report:
+`nvdisasm -g`; the library is built with -lineinfo). Lines are those of the source the report's
+library was built from.
 """
 
 import argparse
 import collections
-import csv
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ncu_source_counters as ncs  # noqa: E402
 
 COLS = {
@@ -39,69 +35,21 @@ def main():
     ap.add_argument("report")
     ap.add_argument("--chunks", type=float, default=1.0, help="divide counts by this")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--result", type=int, default=0, help="index of the profiled launch")
     ap.add_argument("--nvdisasm", default=None)
     a = ap.parse_args()
-    tool = ncs.find_tool("nvdisasm", a.nvdisasm)
-    if not tool:
-        raise SystemExit(
-            "nvdisasm not found (NVDISASM=..., PATH, or the nvidia-cuda-nvdisasm wheel)"
-        )
-    with tempfile.TemporaryDirectory() as td:
-        out_csv, cubin = os.path.join(td, "k.csv"), os.path.join(td, "k.cubin")
-        subprocess.run(
-            [
-                sys.executable,
-                os.path.join(HERE, "ncu_source_counters.py"),
-                a.report,
-                out_csv,
-                "--dump-cubin",
-                cubin,
-                "--nvdisasm",
-                tool,
-            ],
-            check=True,
-            capture_output=True,
-        )
-        rows = list(csv.DictReader(open(out_csv)))
-        dis = subprocess.run([tool, "-g", "-c", cubin], capture_output=True, text=True).stdout
-    # The kernel: the function whose code holds the rows' offsets; its name from the report's
-    # SASS section headers (the first .text section whose size covers the offsets).
-    sections, cur = {}, None
-    for line in dis.split("\n"):
-        m = re.match(r"^\.text\.(\S+):$", line)
-        if m:
-            cur = m.group(1)
-            sections[cur] = {}
-            where = ("?", 0)
-            continue
-        if cur is None:
-            continue
-        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
-        if m:
-            where = (os.path.basename(m.group(1)), int(m.group(2)))
-            continue
-        m = re.search(r"/\*([0-9a-f]{4,})\*/", line)
-        if m:
-            sections[cur][int(m.group(1), 16)] = where
-    srcs = {int(r["Offset"], 0): r["Source"] for r in rows}
-    kernel = None
-    for name, table in sections.items():
-        if len(table) >= len(srcs) and all(o in table for o in list(srcs)[:50]):
-            kernel = name
-            break
-    if kernel is None:
-        raise SystemExit("no function of the cubin matches the report's instructions")
-    line_of = sections[kernel]
+    x = ncs.extract(a.report, a.result, a.nvdisasm)
+    per, line_of = x["per"], x["line_of"]
     agg = collections.defaultdict(collections.Counter)
     tot = collections.Counter()
-    for r in rows:
-        key = line_of.get(int(r["Offset"], 0), ("?", 0))
-        for k, c in COLS.items():
-            v = float(r.get(c) or 0)
+    for pc, _, _, _ in x["rows"]:
+        key = line_of.get(pc, ("?", 0))
+        for k, m in COLS.items():
+            v = float(per.get(m, {}).get(pc) or 0)
             agg[key][k] += v
             tot[k] += v
     print(
-        f"kernel {kernel}; per chunk (/{a.chunks:g}): "
+        f"kernel {x['demangled']}; per chunk (/{a.chunks:g}): "
         + ", ".join(f"{k} {tot[k] / a.chunks:.0f}" for k in ("inst", "shared excess"))
     )
     print(

@@ -10,6 +10,8 @@ instructions and bank-conflict wavefronts per SASS instruction (per source line 
 bench/ncu_by_line.py) are read here. nvdisasm: NVDISASM=..., PATH, or the pip wheel
 nvidia-cuda-nvdisasm (unzip; the binary is nvidia/cu13/bin/nvdisasm).
 
+From Python: extract(report) returns the same table (and each instruction's source line).
+
 Usage:
   python3 bench/ncu_source_counters.py REPORT.ncu-rep OUT.csv [--result N] [--ncu-columns]
                          [--nvdisasm PATH] [--dump-cubin FILE] [--list]
@@ -255,17 +257,19 @@ def find_tool(name, explicit=None):
     return None
 
 
+_FILE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _INS_RE = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/\s+(.*?)\s*;?\s*(?:/\*.*\*/)?\s*$")
 _LBL_RE = re.compile(r"^\s*([.$A-Za-z_][^\s:]*):\s*$")
 
 
 def disassemble(cubin_path, sym_index, sym_name, nvdisasm=None):
-    """Return ({offset: text}, {label: offset}) for one function."""
+    """Return ({offset: text}, {label: offset}, {offset: (file, line)}) for one function (the
+    line table only with nvdisasm, whose -g prints it; the library is built with -lineinfo)."""
     tool = find_tool("nvdisasm", nvdisasm)
     lines = None
     if tool:
         p = subprocess.run(
-            [tool, "-c", "-fun", str(sym_index), cubin_path],
+            [tool, "-g", "-c", "-fun", str(sym_index), cubin_path],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -287,8 +291,14 @@ def disassemble(cubin_path, sym_index, sym_name, nvdisasm=None):
         lines = p.stdout.splitlines()
     ins = {}
     labels = {}
+    where = {}
+    cur = ("?", 0)
     pending = []
     for ln in lines:
+        m = _FILE_RE.search(ln)
+        if m:
+            cur = (os.path.basename(m.group(1)), int(m.group(2)))
+            continue
         m = _INS_RE.match(ln)
         if m:
             off = int(m.group(1), 16)
@@ -299,6 +309,7 @@ def disassemble(cubin_path, sym_index, sym_name, nvdisasm=None):
             if txt.startswith("/*") or not txt:
                 continue
             ins[off] = txt
+            where[off] = cur
             for l in pending:
                 labels[l] = off
             pending = []
@@ -306,7 +317,7 @@ def disassemble(cubin_path, sym_index, sym_name, nvdisasm=None):
         m = _LBL_RE.match(ln)
         if m:
             pending.append(m.group(1))
-    return ins, labels
+    return ins, labels, where
 
 
 _PRED_RE = re.compile(r"^(@!?U?P[T0-9]+)\s+(.*)$")
@@ -438,33 +449,16 @@ def _enum(v, table):
 # ----------------------------------------------------------------------------
 
 
-def main():
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("report")
-    ap.add_argument("out_csv")
-    ap.add_argument(
-        "--result", type=int, default=0, help="index of the profiled launch (default 0)"
-    )
-    ap.add_argument(
-        "--ncu-columns",
-        action="store_true",
-        help="columns named / derived as `ncu --page source --csv` has them (stall_*, ...)",
-    )
-    ap.add_argument("--nvdisasm", help="path to nvdisasm")
-    ap.add_argument("--dump-cubin", help="also write the embedded cubin to this file")
-    ap.add_argument("--list", action="store_true", help="list results/functions and exit")
-    a = ap.parse_args()
-
-    sources, results = read_report(a.report)
-    if a.list or not results:
-        for k, (st, r) in enumerate(results):
-            print("result %d: %s" % (k, pb_first(r, 7, b"").decode()))
-        if not results:
-            raise SystemExit("no profile results in report")
-        return
-    strings, res = results[a.result]
+def extract(report, result=0, nvdisasm=None, dump_cubin=None):
+    """The per-instruction counters of profiled launch `result` of `report`: a dict with the
+    rows (pc, SASS as ncu prints it, function start, function name), line_of (pc -> (file,
+    line) from the cubin's line table), src_metrics (the per-instruction metric names, in
+    report order), per (metric -> {pc: value}), metrics (name -> (kernel total, list)),
+    used_funs and the demangled kernel name."""
+    sources, results = read_report(report)
+    if not results:
+        raise SystemExit("no profile results in report")
+    strings, res = results[result]
     mangled = pb_first(res, 5, b"").decode()
     demangled = pb_first(res, 7, b"").decode()
     mod = pb_first(res, 15)
@@ -553,13 +547,16 @@ def main():
 
     # --- disassemble -----------------------------------------------------------
     tmpdir = tempfile.mkdtemp(prefix="ncurep_")
-    cubin_path = a.dump_cubin or os.path.join(tmpdir, "module.cubin")
+    cubin_path = dump_cubin or os.path.join(tmpdir, "module.cubin")
     with open(cubin_path, "wb") as fh:
         fh.write(cubin)
-    rows = []  # (pc, text)
+    rows = []  # (pc, text, function start, function name)
+    line_of = {}  # pc -> (file, line)
     for lo in sorted(used_funs):
         lo, hi, fname, sidx, size = used_funs[lo]
-        ins, labels = disassemble(cubin_path, sidx, fname, a.nvdisasm)
+        ins, labels, where = disassemble(cubin_path, sidx, fname, nvdisasm)
+        for off, w in where.items():
+            line_of[lo + off] = w
         for off in range(0, size, 16):
             txt = ins.get(off)
             rows.append(
@@ -570,7 +567,7 @@ def main():
                     fname,
                 )
             )
-    if not a.dump_cubin:
+    if not dump_cubin:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
     # --- per-pc table ------------------------------------------------------------
@@ -589,6 +586,44 @@ def main():
             "warning: %d PCs with data have no disassembled instruction\n" % len(missing)
         )
 
+    return dict(
+        rows=rows,
+        line_of=line_of,
+        src_metrics=src_metrics,
+        per=per,
+        metrics=metrics,
+        order=order,
+        used_funs=used_funs,
+        demangled=demangled,
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("report")
+    ap.add_argument("out_csv")
+    ap.add_argument(
+        "--result", type=int, default=0, help="index of the profiled launch (default 0)"
+    )
+    ap.add_argument(
+        "--ncu-columns",
+        action="store_true",
+        help="columns named / derived as `ncu --page source --csv` has them (stall_*, ...)",
+    )
+    ap.add_argument("--nvdisasm", help="path to nvdisasm")
+    ap.add_argument("--dump-cubin", help="also write the embedded cubin to this file")
+    ap.add_argument("--list", action="store_true", help="list results/functions and exit")
+    a = ap.parse_args()
+
+    if a.list:
+        for k, (st, r) in enumerate(read_report(a.report)[1]):
+            print("result %d: %s" % (k, pb_first(r, 7, b"").decode()))
+        return
+    x = extract(a.report, a.result, a.nvdisasm, a.dump_cubin)
+    rows, src_metrics, per, metrics = x["rows"], x["src_metrics"], x["per"], x["metrics"]
+    order, used_funs, demangled = x["order"], x["used_funs"], x["demangled"]
     print("kernel: %s" % demangled)
     for lo in sorted(used_funs):
         f = used_funs[lo]
@@ -616,9 +651,7 @@ def main():
                     + [num(per[m].get(pc, None if m in ENUM_METRICS else 0)) for m in src_metrics]
                     + ["0x%x" % (pc - lo)]
                 )
-        columns = [(m, m) for m in src_metrics]
     else:
-        cols = []
         samp = "smsp__pcsamp_warps_issue_stalled_"
         stall_all = [(short, samp + long) for long, short in STALL_SHORT if samp + long in per]
         stall_ni = [
