@@ -210,7 +210,11 @@ MB_DEV float mb_u2f(uint32_t u) {
 #endif
 }
 
-// Four raw bf16 as fp32 (exact): a shift or a mask each, not the compiler's byte permutes.
+// A raw bf16 pair (low half first) as fp32 (exact): a shift and a mask, not the compiler's byte
+// permutes.
+MB_DEV float2 bf2_f(uint32_t u) { return make_float2(mb_u2f(u << 16), mb_u2f(u & 0xffff0000u)); }
+
+// Four raw bf16 as fp32 (exact), as bf2_f.
 MB_DEV float4 bf4_f(uint2 u) {
   return make_float4(mb_u2f(u.x << 16), mb_u2f(u.x & 0xffff0000u), mb_u2f(u.y << 16),
                      mb_u2f(u.y & 0xffff0000u));

@@ -120,7 +120,7 @@ BB_DEV float2 ld2_t(const V& v, int64_t off, int64_t st, bool vec) {
     const unsigned short* p = reinterpret_cast<const unsigned short*>(v.p) + off;
     const uint32_t u = vec ? mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p))
                            : mimo::mb_ldg(p) | (static_cast<uint32_t>(mimo::mb_ldg(p + st)) << 16);
-    return make_float2(mimo::mb_u2f(u << 16), mimo::mb_u2f(u & 0xffff0000u));
+    return mimo::bf2_f(u);
   } else {
     const unsigned short* p = reinterpret_cast<const unsigned short*>(v.p) + off;
     unsigned short u0, u1;
@@ -1526,18 +1526,15 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const float2 mo = a.layout == 0 ? make_float2(rt_raw_f(raw.mo[0], a.mimo_o.dt),
                                                     rt_raw_f(raw.mo[1], a.mimo_o.dt))
                                       : make_float2(1.f, 1.f);
-      auto bf2 = [](uint32_t u) {  // a bf16 pair widened (ld2_t's)
-        return make_float2(mimo::mb_u2f(u << 16), mimo::mb_u2f(u & 0xffff0000u));
-      };
       BB_UNROLL
       for (int k = 0; k < RC::kx; ++k) {
         const int row = r0 + k * rs;
         if (row < T) {
           XGPair o{};  // zero past the sequence
           if (row < TL) {
-            const float2 vv = bf2(raw.v[k]);
+            const float2 vv = mimo::bf2_f(raw.v[k]);
             o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
-            o.g = bf2(raw.d[k]);
+            o.g = mimo::bf2_f(raw.d[k]);
             if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
           }
           dd_part += o.g.x * o.x.x;
@@ -1551,7 +1548,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         for (int k = 0; k < RC::ks; ++k) {
           const int n = r0 + k * rs;
           if (n < N) {
-            const float2 sv = bf2(raw.st[k]), ds = raw.ds[k];
+            const float2 sv = mimo::bf2_f(raw.st[k]), ds = raw.ds[k];
             const float4 sd = make_float4(sv.x, sv.y, ds.x, ds.y);
             dda_part += sd.x * sd.z;
             dda_part += sd.y * sd.w;
@@ -2097,8 +2094,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         // bf16 elements p[0], p[1] (NC = 2: one 4-byte load) or p[0] as fp32 (exact).
         auto ldg = [&](const unsigned short* p, float (&x)[NC]) {
           if constexpr (NC == 2) {  // (only where vec_qk holds)
-            const unsigned int u = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p));
-            x[0] = mimo::mb_u2f(u << 16), x[1] = mimo::mb_u2f(u & 0xffff0000u);
+            const float2 v = mimo::bf2_f(mimo::mb_ldg(reinterpret_cast<const unsigned int*>(p)));
+            x[0] = v.x, x[1] = v.y;
           } else {
             x[0] = f_of_bits(mimo::mb_ldg(p), DTag<bf16_t>{});
           }

@@ -172,10 +172,6 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
     }
     w.dec = ld(a.da_cs, o3(a.da_cs, b, h, bb_min(c * C + C, a.S) - 1));
   };
-  // A bf16 pair widened by a shift and a mask (ld2_t's values).
-  auto widen = [](uint32_t u) {
-    return make_float2(mimo::mb_u2f(u << 16), mimo::mb_u2f(u & 0xffff0000u));
-  };
   // The chunk's planes from w (increment_planes_body's values: see the top of this file).
   auto build = [&](const Raw& w, int c, int buf) {
     const int L = bb_min(C, a.S - c * C);
@@ -196,7 +192,7 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
           const int row = i * R + r;
           float2 y1 = make_float2(0.f, 0.f), y2 = y1;
           if (i < L) {
-            const float2 lo = widen(w.q[k][r][0]), hi = widen(w.q[k][r][1]);
+            const float2 lo = mimo::bf2_f(w.q[k][r][0]), hi = mimo::bf2_f(w.q[k][r][1]);
             const float* bv = s_bias + r * Nb;
             const float2 x1 = make_float2(lo.x + bv[2 * qj], lo.y + bv[2 * qj + 1]);
             const float2 x2 = make_float2(hi.x + bv[NBP + 2 * qj], hi.y + bv[NBP + 2 * qj + 1]);
@@ -218,9 +214,9 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
     for (int k = 0; k < GPT; ++k) {
       const int i = gi0 + k * GSTEP;
       if (i < C) {
-        const float2 d = i < L ? widen(w.d[k]) : make_float2(0.f, 0.f);
+        const float2 d = i < L ? mimo::bf2_f(w.d[k]) : make_float2(0.f, 0.f);
         float2 z = make_float2(0.f, 0.f);
-        if constexpr (kGate) z = i < L ? widen(w.z[k]) : z;
+        if constexpr (kGate) z = i < L ? mimo::bf2_f(w.z[k]) : z;
         BB_UNROLL
         for (int r = 0; r < R; ++r) {
           float2 g = make_float2(0.f, 0.f);
