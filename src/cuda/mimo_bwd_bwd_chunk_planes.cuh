@@ -819,6 +819,16 @@ BB_DEV void rotated_quad_rows(const AT& a, const RotSrc<V> (&src)[2], Bias bias,
   }
 }
 
+// The shared-memory layout the planes bodies index with: in the specialised kernels (ArgsCT) a
+// compile-time constant, so that every region's offset and row stride folds into the
+// instructions (the kernel parameter a.ply, the generic kernels' source, cost a constant-bank
+// load or a register and a multiply per use); the same values (planes_layout of the same shape,
+// as the host's plan), hence the same addresses and bits.
+template <class AT>
+struct LayoutOf {
+  static BB_DEV const PlanesLayout& get(const AT& a) { return a.ply; }
+};
+
 // K1 on planes: U_c = sum over the chunk's rows of (E_i qh_i^r) (x) dPhiO_i^r (as increment_body),
 // one CTA of kIncPlanesThreads per (b, h, c), c >= 1; E qh and dPhiO split into planes once, U in
 // 16 x 16 mma tiles (E qh read transposed: the contraction runs along its rows).
@@ -829,7 +839,7 @@ BB_DEV void increment_planes_body(const AT& a, unsigned char* smem) {
   const int64_t item = bb_bid();  // = bh * nch + c
   const int it = static_cast<int>(item), c = it % a.nch;  // 32-bit: B H nch < 2^31
   if (c == 0) return;  // U_0 would only feed the state entering chunk 0, which nothing reads
-  const PlanesLayout& Ly = a.ply;
+  const auto& Ly = LayoutOf<AT>::get(a);
   const int tid = bb_tid(), warp = tid >> 5;
   const int bh = it / a.nch;
   const int b = bh / a.H, h = bh % a.H, grp = h / a.HG;
@@ -1165,6 +1175,15 @@ struct GlobalAngleTable<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = planes_layout(N, P, R, C, N / 4).cs < 0;
 };
 
+// (LayoutOf of the specialised kernels: above, at increment_planes_body.)
+template <int N, int P, int R, int C, int CL>
+struct LayoutOf<ArgsCT<N, P, R, C, CL>> {
+  static BB_DEV PlanesLayout get(const ArgsCT<N, P, R, C, CL>&) {
+    constexpr PlanesLayout L = planes_layout(N, P, R, C, N / 4);
+    return L;
+  }
+};
+
 // (x, dPhiO) pair of a [T][P] row: x = v mimo_v, g = dPhiO.
 struct XGPair {
   float2 x, g;
@@ -1178,7 +1197,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   constexpr bool kInc = IncAddr<AT>::on;
   constexpr bool kGlobTab = GlobalAngleTable<AT>::on;
   constexpr int NT = kPlanesThreads;
-  const PlanesLayout& Ly = a.ply;
+  const auto& Ly = LayoutOf<AT>::get(a);
   const int tid = bb_tid(), warp = tid >> 5;
   const int N = a.N, P = a.P, R = a.R, C = a.C, A = a.A, half = a.half, T = C * R;
   const int lgN = a.lgN, lgP = a.lgP, lgR = a.lgR, lgC = a.lgC, lgT = a.lgT;
