@@ -1162,6 +1162,16 @@ struct StatesInFlight<ArgsCT<N, P, R, C, CL>> {
   static constexpr int u = N * (P / 2) / kPlanesThreads == 16 ? 16 : 8;
 };
 
+// LayoutOf of the specialised kernels (the primary: at increment_planes_body).
+template <int N, int P, int R, int C, int CL>
+struct LayoutOf<ArgsCT<N, P, R, C, CL>> {
+  static constexpr PlanesLayout layout() { return planes_layout(N, P, R, C, N / 4); }
+  static BB_DEV PlanesLayout get(const ArgsCT<N, P, R, C, CL>&) {
+    constexpr PlanesLayout L = layout();
+    return L;
+  }
+};
+
 // Whether K3 may read the workspace's (sin, cos) table (Args::ws_cs: where its layout has no
 // room for the chunk's own, PlanesLayout::cs < 0): known at compile time in the specialised
 // kernels, so that those with a table do not compile that path (its pointer, live across the
@@ -1172,16 +1182,7 @@ struct GlobalAngleTable {
 };
 template <int N, int P, int R, int C, int CL>
 struct GlobalAngleTable<ArgsCT<N, P, R, C, CL>> {
-  static constexpr bool on = planes_layout(N, P, R, C, N / 4).cs < 0;
-};
-
-// (LayoutOf of the specialised kernels: above, at increment_planes_body.)
-template <int N, int P, int R, int C, int CL>
-struct LayoutOf<ArgsCT<N, P, R, C, CL>> {
-  static BB_DEV PlanesLayout get(const ArgsCT<N, P, R, C, CL>&) {
-    constexpr PlanesLayout L = planes_layout(N, P, R, C, N / 4);
-    return L;
-  }
+  static constexpr bool on = LayoutOf<ArgsCT<N, P, R, C, CL>>::layout().cs < 0;
 };
 
 // (x, dPhiO) pair of a [T][P] row: x = v mimo_v, g = dPhiO.
@@ -1232,7 +1233,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   constexpr int kPartCs = 0, kPartRev = 1, kPartFac = 2;
   // q_bias, k_bias [R][N] fp32 of the chunk's head; the (sin, cos) of the chunk's angles [C][A]
   // where the layout has room (else nullptr: phase 3 calls sincos again). Formed where used,
-  // from the kernel parameters (kept live across phase 2 they spilled).
+  // from the layout (kept live across phase 2 they spilled; mb_opaque keeps nvcc from hoisting
+  // the specialised kernels' constant offsets into registers for that long).
   auto qbias = [&] { return flp(mimo::mb_opaque(Ly.qb)); };
   auto kbias = [&] { return flp(mimo::mb_opaque(Ly.qb)) + (R << lgN); };
   auto cs_tab = [&] {
