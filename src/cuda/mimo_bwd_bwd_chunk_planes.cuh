@@ -1190,6 +1190,47 @@ struct XGPair {
   float2 x, g;
 };
 
+// The warp tasks of the planes K3's coefficient builds (M1, M2, M3: [T][T], T = 16 nT, nT in
+// {1, 2, 4}: make_plan). Each product reads its coefficient matrix only on one side of the
+// block diagonal: M1 (dqh, k steps below dqh_ke = m0 + 16) the 16 x 16 blocks (a, b) with
+// b <= a, M2 and M3 (dkh from dkh_kb = m0, dx from its tile's first row's step, also m0) those
+// with b >= a. So the builds form only those: nT (nT + 1) / 2 blocks of nT^2 (10 of 16 at T = 64:
+// 37.5% fewer tasks, at most 3 per warp instead of 4; 3 of 4 at T = 32), four warp tasks per
+// block, the blocks listed 4 bits each (a | b << 2) in one 64-bit constant. The unbuilt blocks
+// keep the previous matrix's values, which no product reads: the same operands, the same bits.
+constexpr uint64_t coef_blocks_pack(int nT, bool lower) {
+  uint64_t t = 0;
+  int k = 0;
+  for (int a = 0; a < nT; ++a)
+    for (int b = 0; b <= a; ++b, ++k)
+      t |= static_cast<uint64_t>(lower ? a | b << 2 : b | a << 2) << (4 * k);
+  return t;
+}
+struct CoefBlocks {
+  static constexpr uint64_t kLower4 = coef_blocks_pack(4, true);
+  static constexpr uint64_t kUpper4 = coef_blocks_pack(4, false);
+  static constexpr uint64_t kLower2 = coef_blocks_pack(2, true);
+  static constexpr uint64_t kUpper2 = coef_blocks_pack(2, false);
+  static constexpr uint64_t kOne = coef_blocks_pack(1, true);
+  uint64_t list;
+  int tasks;  // warp tasks: 4 per block
+  BB_DEV CoefBlocks(int nT, bool lower)
+      : list(nT == 4 ? (lower ? kLower4 : kUpper4) : nT == 2 ? (lower ? kLower2 : kUpper2) : kOne),
+        tasks(2 * nT * (nT + 1)) {}
+  BB_DEV int entry(int wt) const { return static_cast<int>(list >> (4 * (wt >> 2))) & 15; }
+  // First row / column of warp task wt's block.
+  BB_DEV int a16(int wt) const { return (entry(wt) & 3) * 16; }
+  BB_DEV int b16(int wt) const { return (entry(wt) >> 2) * 16; }
+  // M2 / M3 (row-major reads of XG / KQ): lane l of warp task wt takes column pair l & 7 of the
+  // block and row a16 + 2 (l >> 3) (+ 1, + 8, + 9 for wt & 3 = 1, 2, 3). Rows 2 apart are
+  // 2 (T + kPlanesPad) floats of XG / KQ (16 banks: a half-warp's float2 loads conflict-free)
+  // and T + kPlanesPad words of mc (the four rows' 8-word pair stores at 8, 16, 24 banks
+  // apart: conflict-free), as the 32 pairs of one row per warp were.
+  BB_DEV int row_rm(int wt, int l) const {
+    return a16(wt) + (wt & 1) + 8 * ((wt >> 1) & 1) + 2 * (l >> 3);
+  }
+};
+
 // smem: PlanesLayout::bytes of dynamic shared memory (16-byte aligned); kPlanesThreads threads.
 template <class AT>
 BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
@@ -1199,7 +1240,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   constexpr bool kGlobTab = GlobalAngleTable<AT>::on;
   constexpr int NT = kPlanesThreads;
   const auto& Ly = LayoutOf<AT>::get(a);
-  const int tid = bb_tid(), warp = tid >> 5;
+  const int tid = bb_tid(), warp = tid >> 5, lane = tid & 31;
   const int N = a.N, P = a.P, R = a.R, C = a.C, A = a.A, half = a.half, T = C * R;
   const int lgN = a.lgN, lgP = a.lgP, lgR = a.lgR, lgC = a.lgC, lgT = a.lgT;
   const int ldN = Ly.ldN, ldP = Ly.ldP, ldT = Ly.ldT;
@@ -1740,15 +1781,20 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
 
     // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
     // The coefficient matrices are built by (row, column pair) tasks, one split pair store per
-    // task; the two columns share their step j (one weight) unless R = 1. M1 reads XG
-    // transposed, so its tasks run along the rows (conflict-free loads). The three builds with
+    // task; the two columns share their step j (one weight) unless R = 1. The three builds with
     // R compile-time (with_pow2): constant shifts, and at R > 1 the second column's step, weight
-    // and mask are the first's (ca even), not formed (and loaded) again.
+    // and mask are the first's (ca even), not formed (and loaded) again. Only the 16 x 16
+    // blocks the product reads are built, by warp tasks (CoefBlocks). M1 reads XG transposed:
+    // its warp task is 16 rows (lanes) x 2 column pairs, conflict-free loads (the pairs
+    // 2 (T + kPlanesPad) floats, 16 banks, apart) and 2-way conflicted stores (4-way with 32
+    // rows per warp).
     with_pow2(lgR, [&](auto kr) {
       constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      const CoefBlocks cbl(nT, true);
       BB_NO_UNROLL  // (as before the templating: unrolled, four copies would be ~1K instructions)
-      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-        const int row = e & (T - 1), ca = (e >> lgT) * 2, i = row >> LR;
+      for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
+        const int row = cbl.a16(wt) + (lane & 15);
+        const int ca = cbl.b16(wt) + 4 * (wt & 3) + 2 * (lane >> 4), i = row >> LR;
         const int j0 = ca >> LR, j1 = LR > 0 ? j0 : ca + 1;
         const bool live0 = j0 < i && row < TL, live1 = LR > 0 ? live0 : j1 < i && row < TL;
         const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
@@ -1813,9 +1859,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // (Not unrolled: it runs with the dqh accumulators live; unrolled, it spilled.)
     with_pow2(lgR, [&](auto kr) {
       constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      const CoefBlocks cbl(nT, false);
       BB_NO_UNROLL
-      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-        const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> LR;
+      for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
+        const int cb = cbl.b16(wt) + 2 * (lane & 7), row = cbl.row_rm(wt, lane), i = row >> LR;
         const int j0 = cb >> LR, j1 = LR > 0 ? j0 : cb + 1;
         const bool live0 = j0 > i && j0 < L, live1 = LR > 0 ? live0 : j1 > i && j1 < L;
         const float w0 = live0 ? Wf(j0, i) : 0.f;
@@ -1855,9 +1902,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
     with_pow2(lgR, [&](auto kr) {
       constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      const CoefBlocks cbl(nT, false);
       BB_NO_UNROLL  // (as M1)
-      for (int e = tid; e < (T << (lgT - 1)); e += NT) {
-        const int cb = (e & ((T >> 1) - 1)) * 2, row = e >> (lgT - 1), i = row >> LR,
+      for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
+        const int cb = cbl.b16(wt) + 2 * (lane & 7), row = cbl.row_rm(wt, lane), i = row >> LR,
                   r2 = row & (KR - 1);
         const float2 kq = *reinterpret_cast<const float2*>(KQ + row * ldk + cb);
         float m[2];
