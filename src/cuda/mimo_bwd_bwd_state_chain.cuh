@@ -8,10 +8,10 @@
 // block of dS's rows and columns of one (b, h) and walks its chunks backwards, each chunk's block
 // of U_c made by mma from that chunk's rows (as K1) and added into dS held in the accumulator
 // registers: only dS_c is written (the slab K3 reads), U never leaves the SM. Measured (H100,
-// session 22, K1 + K2 -> chain, ms): N256 C8 1.318 -> 0.853, N128 P128 C8 1.253 -> 0.672,
-// N128 R4 C16 0.402 -> 0.296, R2 C32 0.221 -> 0.156, R1 C64 0.117 -> 0.099; the walk is
-// latency-bound (~2.5 us per chunk and CTA at R2 C32, 16 warps per SM), so at N32, where each
-// CTA forms all of q's rows (one row block), K1 + K2 stay (ct_chain_entry).
+// session 22, K1 + K2 -> chain with the ranks inside each q task, ms): N256 C8 1.318 -> 0.853,
+// N128 P128 C8 1.253 -> 0.672, N128 R4 C16 0.402 -> 0.296, R2 C32 0.221 -> 0.156, R1 C64
+// 0.117 -> 0.099, N32 0.163 -> 0.183. This form (branch s22-chain-cs: one q task per rank,
+// their sin / cos from a per-chunk table) is not measured yet.
 //
 // Same values as K1 + K2, bit for bit (the CUDA and host-emulated tests compare the slabs): the
 // rows E_i qh_i^r and dPhiO_i^r are formed with increment_planes_body's expressions (bias added,
@@ -26,16 +26,19 @@
 // half + n0 + NBP of dS, and Pb of its P columns, with Pb split so that every shape of the grid
 // gets 4 (N <= 128) or 8 (N256) CTAs per (b, h): 256 to 512 CTAs at B4 H16, two of 8 warps per
 // SM. The q rows of a block are loaded once; dout rows are loaded by each of the N / 2 NBP
-// blocks of a column block (cheap: C P per chunk against C R N of q). A task is one step and
-// column pair with its ranks inside (one sin / cos for all of them; tasks of one rank each, so
-// that every thread has work at C8, measured slower: the sin / cos then repeat per rank).
+// blocks of a column block (cheap: C P per chunk against C R N of q). A q task is one step, rank
+// and column pair (every thread has rows at every shape; with the ranks inside a task, at C8 a
+// quarter of the threads had rows to form and the rest waited at the barrier); its sin / cos come
+// from a (sin, cos) table of the chunk, written one chunk ahead by one sincosf per angle (tasks
+// of one rank each that called sincosf themselves measured slower: R times the sincosf).
 //
-// Per chunk a CTA: forms the chunk's planes from registers loaded two chunks earlier (their
-// global loads overlap two chunks' products and stores; a first form, one chunk ahead with 4
-// warps per CTA, took 2.5-4.4 us per chunk, slower than K1 + K2 at 7 of the 11 shapes), one
-// barrier, stores dS_c, then per tile U = EQ^T G and acc = dec_c acc + U. The
-// planes are double-buffered, so the one barrier per chunk suffices: a buffer is rewritten two
-// chunks after it was read, and every thread has passed the barrier in between.
+// Per chunk a CTA: forms the chunk's planes from registers loaded two chunks earlier, and the
+// next chunk's (sin, cos) table (their global loads overlap two chunks' products and stores; a
+// first form, one chunk ahead with 4 warps per CTA, took 2.5-4.4 us per chunk, slower than
+// K1 + K2 at 7 of the 11 shapes), one barrier, stores dS_c, then per tile U = EQ^T G and
+// acc = dec_c acc + U. The planes are double-buffered, so the one barrier per chunk suffices: a
+// buffer is rewritten two chunks after it was read, and every thread has passed the barrier in
+// between (the two tables likewise).
 #pragma once
 
 #include <cstdint>
@@ -63,12 +66,14 @@ struct ChainSplit {
 };
 
 // Shared memory of the chain kernel (bytes): two buffers of the EQ [T][ldNb] and G [T][ldPb]
-// hi/lo planes, then the block's q_bias [R][Nb], mimo_o [R][Pb] and mimo_z [R][Pb] (fp32).
+// hi/lo planes, then the block's q_bias [R][Nb], mimo_o [R][Pb] and mimo_z [R][Pb] (fp32), then
+// two chunks' (sin, cos) tables [C][NBP] (float2).
 template <int N, int P, int R, int C>
 constexpr int chain_smem_bytes() {
   using S = ChainSplit<N, P>;
   constexpr int T = C * R;
-  return 2 * (2 * T * S::ldNb + 2 * T * S::ldPb) * 2 + (R * S::Nb + 2 * R * S::Pb) * 4;
+  return 2 * (2 * T * S::ldNb + 2 * T * S::ldPb) * 2 + (R * S::Nb + 2 * R * S::Pb) * 4 +
+         2 * C * S::NBP * 8;
 }
 
 // One CTA per (b, h, row block, column block): blocks() of them per (b, h).
@@ -84,13 +89,19 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   using S = ChainSplit<N, P>;
   constexpr int NBP = S::NBP, Nb = S::Nb, Pb = S::Pb, half = S::half;
   constexpr int ldNb = S::ldNb, ldPb = S::ldPb;
-  // q tasks: (step i, pair j) with columns n0 + 2j, n0 + 2j + 1 and their partners; a thread
-  // keeps its j. dout tasks: (step i, column pair pc of the block); a thread keeps its pc.
-  constexpr int QJ = NBP / 2, QSTEP = NT / QJ, QPT = (C + QSTEP - 1) / QSTEP;
+  // q tasks: (step i, rank r, pair j) with columns n0 + 2j, n0 + 2j + 1 and their partners;
+  // a thread keeps its j and r, so every thread has rows at every shape (with the ranks inside
+  // a task, at C8 a quarter of the threads formed q rows: 37% of the stall samples at the
+  // barrier, N256 C8). Their sin / cos come from a table per chunk (cs tasks: step i, pair
+  // column m), made one chunk ahead: one sincosf per angle, not one per rank.
+  // dout tasks: (step i, column pair pc of the block), ranks inside; a thread keeps its pc.
+  constexpr int QJ = NBP / 2, QSTEP = NT / (QJ * R), QPT = (C + QSTEP - 1) / QSTEP;
+  constexpr int SSTEP = NT / NBP, SPT = (C + SSTEP - 1) / SSTEP;
   constexpr int GJ = Pb / 2, GSTEP = NT / GJ, GPT = (C + GSTEP - 1) / GSTEP;
   constexpr bool kGate = AT::gate != 0;
   static_assert(AT::layout == 0, "reduce-O dout (the contiguous-layout sets)");
-  static_assert(NT % QJ == 0 && NT % GJ == 0, "a thread keeps its columns");
+  static_assert(NT % (QJ * R) == 0 && NT % NBP == 0 && NT % GJ == 0,
+                "a thread keeps its columns (and rank)");
 
   const int tid = bb_tid(), warp = tid >> 5;
   const int it = static_cast<int>(bb_bid());
@@ -104,6 +115,7 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   float* s_bias = reinterpret_cast<float*>(smem + 2 * (kEQ + kG) * 2);  // [R][Nb]
   float* s_wo = s_bias + R * Nb;                                         // [R][Pb]
   float* s_wz = s_wo + R * Pb;                                           // [R][Pb]
+  float2* s_cs = reinterpret_cast<float2*>(s_wz + R * Pb);  // [2][C][NBP] (sin, cos)
   auto eq_of = [&](int buf) {
     return mimo::SplitTile{planes + buf * (kEQ + kG), T * ldNb, ldNb};
   };
@@ -120,18 +132,19 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
     if constexpr (kGate) s_wz[e] = ld(a.mimo_z, o3(a.mimo_z, h, r, p0 + pl));
   }
 
-  // This thread's columns.
-  const int qj = tid % QJ, qi0 = tid / QJ;
+  // This thread's columns (and rank).
+  const int qj = tid % QJ, qr = (tid / QJ) % R, qi0 = tid / (QJ * R);
   const int n = n0 + 2 * qj;  // global q column of the pair (partner half + n)
+  const int sm = tid % NBP, si0 = tid / NBP;  // cs task column n0 + sm
   const int gj = tid % GJ, gi0 = tid / GJ;
   const unsigned short* qp = reinterpret_cast<const unsigned short*>(a.q.p);
   const unsigned short* dp = reinterpret_cast<const unsigned short*>(a.dout.p);
 
-  // A chunk's inputs in registers: q pairs (lo at n, hi at half + n) per task and rank, the
-  // task's two angles and da_cs (E), dout (and z) pairs per task, the chunk's decay exponent.
+  // A chunk's inputs in registers: per q task its q pairs (lo at n, hi at half + n) and da_cs
+  // (E), per cs task its angle, per dout task its dout (and z) pair, the chunk's decay exponent.
   struct Raw {
-    uint32_t q[QPT][R][2];
-    float2 ang[QPT];
+    uint32_t q[QPT][2];
+    float ang[SPT];
     float eda[QPT];
     uint32_t d[GPT];
     uint32_t z[kGate ? GPT : 1];
@@ -145,17 +158,15 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
       if (i < L) {
         const int s = s0 + i;
         w.eda[k] = ld(a.da_cs, o3(a.da_cs, b, h, s));
-        if (n < A) {
-          const int64_t ao = o4(a.angles, b, s, h, n);
-          w.ang[k] = make_float2(ld(a.angles, ao), ld(a.angles, ao + a.angles.s[3]));
-        }
-        int64_t o = o5(a.q, b, s, 0, grp, n);
-        BB_UNROLL
-        for (int r = 0; r < R; ++r, o += a.q.s[2]) {
-          w.q[k][r][0] = mimo::mb_ldg(reinterpret_cast<const uint32_t*>(qp + o));
-          w.q[k][r][1] = mimo::mb_ldg(reinterpret_cast<const uint32_t*>(qp + o + half));
-        }
+        const int64_t o = o5(a.q, b, s, qr, grp, n);
+        w.q[k][0] = mimo::mb_ldg(reinterpret_cast<const uint32_t*>(qp + o));
+        w.q[k][1] = mimo::mb_ldg(reinterpret_cast<const uint32_t*>(qp + o + half));
       }
+    }
+    BB_UNROLL
+    for (int k = 0; k < SPT; ++k) {
+      const int i = si0 + k * SSTEP;
+      if (i < L && n0 + sm < A) w.ang[k] = ld(a.angles, o4(a.angles, b, s0 + i, h, n0 + sm));
     }
     BB_UNROLL
     for (int k = 0; k < GPT; ++k) {
@@ -176,38 +187,33 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   auto build = [&](const Raw& w, int c, int buf) {
     const int L = bb_min(C, a.S - c * C);
     const mimo::SplitTile EQ = eq_of(buf), Gp = g_of(buf);
+    const float2* tab = s_cs + (c & 1) * (C * NBP);
+    const float* bv = s_bias + qr * Nb;
     BB_UNROLL
     for (int k = 0; k < QPT; ++k) {
       const int i = qi0 + k * QSTEP;
       if (i < C) {
-        float2 sn = make_float2(0.f, 0.f), cs = make_float2(1.f, 1.f);
-        float E = 0.f;
+        float2 y1 = make_float2(0.f, 0.f), y2 = y1;
         if (i < L) {
-          if (n < A) bb_sincos(w.ang[k].x, &sn.x, &cs.x);
-          if (n + 1 < A) bb_sincos(w.ang[k].y, &sn.y, &cs.y);
-          E = expf(w.eda[k]);
+          float2 sn = make_float2(0.f, 0.f), cs = make_float2(1.f, 1.f);
+          if (n < A) sn.x = tab[i * NBP + 2 * qj].x, cs.x = tab[i * NBP + 2 * qj].y;
+          if (n + 1 < A) sn.y = tab[i * NBP + 2 * qj + 1].x, cs.y = tab[i * NBP + 2 * qj + 1].y;
+          const float E = expf(w.eda[k]);
+          const float2 lo = mimo::bf2_f(w.q[k][0]), hi = mimo::bf2_f(w.q[k][1]);
+          const float2 x1 = make_float2(lo.x + bv[2 * qj], lo.y + bv[2 * qj + 1]);
+          const float2 x2 = make_float2(hi.x + bv[NBP + 2 * qj], hi.y + bv[NBP + 2 * qj + 1]);
+          y1 = x1, y2 = x2;
+          if (n < A)
+            y1.x = mimo::mb_fma_rn(x1.x, cs.x, -mimo::mb_fmul_rn(x2.x, sn.x)),
+            y2.x = mimo::mb_fma_rn(x1.x, sn.x, mimo::mb_fmul_rn(x2.x, cs.x));
+          if (n + 1 < A)
+            y1.y = mimo::mb_fma_rn(x1.y, cs.y, -mimo::mb_fmul_rn(x2.y, sn.y)),
+            y2.y = mimo::mb_fma_rn(x1.y, sn.y, mimo::mb_fmul_rn(x2.y, cs.y));
+          y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
         }
-        BB_UNROLL
-        for (int r = 0; r < R; ++r) {
-          const int row = i * R + r;
-          float2 y1 = make_float2(0.f, 0.f), y2 = y1;
-          if (i < L) {
-            const float2 lo = mimo::bf2_f(w.q[k][r][0]), hi = mimo::bf2_f(w.q[k][r][1]);
-            const float* bv = s_bias + r * Nb;
-            const float2 x1 = make_float2(lo.x + bv[2 * qj], lo.y + bv[2 * qj + 1]);
-            const float2 x2 = make_float2(hi.x + bv[NBP + 2 * qj], hi.y + bv[NBP + 2 * qj + 1]);
-            y1 = x1, y2 = x2;
-            if (n < A)
-              y1.x = mimo::mb_fma_rn(x1.x, cs.x, -mimo::mb_fmul_rn(x2.x, sn.x)),
-              y2.x = mimo::mb_fma_rn(x1.x, sn.x, mimo::mb_fmul_rn(x2.x, cs.x));
-            if (n + 1 < A)
-              y1.y = mimo::mb_fma_rn(x1.y, cs.y, -mimo::mb_fmul_rn(x2.y, sn.y)),
-              y2.y = mimo::mb_fma_rn(x1.y, sn.y, mimo::mb_fmul_rn(x2.y, cs.y));
-            y1.x *= E, y1.y *= E, y2.x *= E, y2.y *= E;
-          }
-          st_split_pair(EQ, row * ldNb + 2 * qj, y1);
-          st_split_pair(EQ, row * ldNb + NBP + 2 * qj, y2);
-        }
+        const int row = i * R + qr;
+        st_split_pair(EQ, row * ldNb + 2 * qj, y1);
+        st_split_pair(EQ, row * ldNb + NBP + 2 * qj, y2);
       }
     }
     BB_UNROLL
@@ -232,6 +238,23 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
           }
           st_split_pair(Gp, (i * R + r) * ldPb + 2 * gj, g);
         }
+      }
+    }
+  };
+
+  // Chunk c's (sin, cos) table from w (the same sincosf of the same angles as K1's rows), for
+  // the next chunk's build: written before the barrier that precedes that build; its slot was
+  // last read by the build two chunks earlier, before the previous barrier.
+  auto table = [&](const Raw& w, int c) {
+    const int L = bb_min(C, a.S - c * C);
+    float2* tab = s_cs + (c & 1) * (C * NBP);
+    BB_UNROLL
+    for (int k = 0; k < SPT; ++k) {
+      const int i = si0 + k * SSTEP;
+      if (i < L && n0 + sm < A) {
+        float sv, cv;
+        bb_sincos(w.ang[k], &sv, &cv);
+        tab[i * NBP + sm] = make_float2(sv, cv);
       }
     }
   };
@@ -268,8 +291,9 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   // One chunk: its planes from wr (loaded two chunks earlier), the barrier, wr reloaded with
   // chunk c - 2 (its loads in flight during two chunks' products and stores), dS_c stored, U_c
   // and the update.
-  auto step = [&](Raw& wr, int c, int buf) {
+  auto step = [&](Raw& wr, const Raw& wn, int c, int buf) {
     build(wr, c, buf);
+    if (c > 1) table(wn, c - 1);
     const float dec = expf(wr.dec);
     bb_sync();
     if (c > 2) load(wr, c - 2);
@@ -294,10 +318,11 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   Raw w0, w1;
   if (nch > 1) load(w0, nch - 1);
   if (nch > 2) load(w1, nch - 2);
-  bb_sync();  // the block's weights
+  if (nch > 1) table(w0, nch - 1);
+  bb_sync();  // the block's weights, the first chunk's table
   for (int c = nch - 1; c >= 1; c -= 2) {
-    step(w0, c, 0);
-    if (c > 1) step(w1, c - 1, 1);
+    step(w0, w1, c, 0);
+    if (c > 1) step(w1, w0, c - 1, 1);
   }
   store(0);  // (U_0 is never formed: nothing reads the state entering chunk 0)
 }
