@@ -22,10 +22,10 @@
 // scan_cells' expression, acc = dec acc + u.
 //
 // Blocking (ChainSplit): the rotation pairs (n, half + n) stay in one CTA (no exchange for the
-// rotation): a block is NBP <= 16 pair columns, i.e. rows n0 .. n0 + NBP and half + n0 ..
-// half + n0 + NBP of dS, and Pb of its P columns, with Pb split so that every shape of the grid
-// gets 4 (N <= 128) or 8 (N256) CTAs per (b, h): 256 to 512 CTAs at B4 H16, two of 8 warps per
-// SM. The q rows of a block are loaded once; dout rows are loaded by each of the N / 2 NBP
+// rotation): a block is NBP pair columns (16, 32 at N256), i.e. rows n0 .. n0 + NBP and
+// half + n0 .. half + n0 + NBP of dS, and Pb of its P columns, with Pb split so that every shape
+// of the grid gets 4 CTAs per (b, h): 256 CTAs at B4 H16, two of 8 warps per SM (264 slots on
+// 132 SMs: one wave; 8 CTAs per (b, h) at N256 made two). The q rows of a block are loaded once; dout rows are loaded by each of the N / 2 NBP
 // blocks of a column block (cheap: C P per chunk against C R N of q). A q task is one step, rank
 // and column pair (every thread has rows at every shape; with the ranks inside a task, at C8 a
 // quarter of the threads had rows to form and the rest waited at the barrier); its sin / cos come
@@ -53,7 +53,9 @@ constexpr int kChainThreads = 256;
 template <int N, int P>
 struct ChainSplit {
   static constexpr int half = N / 2;
-  static constexpr int NBP = half < 16 ? half : 16;  // pair columns (n, half + n) per block
+  // Pair columns (n, half + n) per block: 16, or half / 4 at N256, so that every (b, h) has 4
+  // row blocks at most (8 at N256 made 512 CTAs, two waves of the 264 slots).
+  static constexpr int NBP = half < 16 ? half : half / 4 > 16 ? half / 4 : 16;
   static constexpr int Nb = 2 * NBP;                 // dS rows per block
   static constexpr int nNb = half / NBP;             // row blocks
   static constexpr int nPb0 = nNb >= 4 ? 1 : 4 / nNb;
