@@ -58,6 +58,16 @@ MB_DEV int mb_opaque(int x) {
   return x;
 }
 
+// x, formed here: a value computed before a barrier stays there, rather than being sunk past the
+// barrier by the compiler (which then keeps its operand alive in a copy made where that operand
+// may still be in flight from global memory: the state chain's decay). Nothing on the host.
+MB_DEV float mb_pin(float x) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" : "+f"(x));
+#endif
+  return x;
+}
+
 // a * b rounded to float, never contracted with an add that follows it into one FMA (the
 // device's __fmul_rn). Where a later add is conditional at run time in one kernel and always
 // taken in another (a condition a compile-time shape folds), nvcc may fuse the product with
