@@ -185,25 +185,51 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
     }
     w.dec = ld(a.da_cs, o3(a.da_cs, b, h, bb_min(c * C + C, a.S) - 1));
   };
-  // The chunk's planes from w (increment_planes_body's values: see the top of this file).
+  // This thread's q_bias pairs (its rank and columns: the same every chunk), in registers from
+  // the kernel's first barrier on.
+  float2 qb1, qb2;
+  // The chunk's planes from w (increment_planes_body's values: see the top of this file). Every
+  // shared-memory read of a build (the (sin, cos) of its q tasks, the mimo_o / mimo_z weights of
+  // its ranks) is issued before its first plane store: read between the stores, each waited out
+  // its latency after the previous store (nvcc keeps loads behind stores it cannot tell apart
+  // from them; ncu at R2 C32: 12% of the chain's stall samples on those weights' products).
   auto build = [&](const Raw& w, int c, int buf) {
     const int L = bb_min(C, a.S - c * C);
     const mimo::SplitTile EQ = eq_of(buf), Gp = g_of(buf);
     const float2* tab = s_cs + (c & 1) * (C * NBP);
-    const float* bv = s_bias + qr * Nb;
+    float4 sc[QPT];  // (sin, cos) of columns n, n + 1
+    BB_UNROLL
+    for (int k = 0; k < QPT; ++k) {
+      const int i = qi0 + k * QSTEP;
+      sc[k] = make_float4(0.f, 1.f, 0.f, 1.f);
+      if (i < L) {
+        if (n < A) {
+          const float2 t = tab[i * NBP + 2 * qj];
+          sc[k].x = t.x, sc[k].y = t.y;
+        }
+        if (n + 1 < A) {
+          const float2 t = tab[i * NBP + 2 * qj + 1];
+          sc[k].z = t.x, sc[k].w = t.y;
+        }
+      }
+    }
+    float2 mo[R], mz[kGate ? R : 1];
+    BB_UNROLL
+    for (int r = 0; r < R; ++r) {
+      mo[r] = *reinterpret_cast<const float2*>(s_wo + r * Pb + 2 * gj);
+      if constexpr (kGate) mz[r] = *reinterpret_cast<const float2*>(s_wz + r * Pb + 2 * gj);
+    }
     BB_UNROLL
     for (int k = 0; k < QPT; ++k) {
       const int i = qi0 + k * QSTEP;
       if (i < C) {
         float2 y1 = make_float2(0.f, 0.f), y2 = y1;
         if (i < L) {
-          float2 sn = make_float2(0.f, 0.f), cs = make_float2(1.f, 1.f);
-          if (n < A) sn.x = tab[i * NBP + 2 * qj].x, cs.x = tab[i * NBP + 2 * qj].y;
-          if (n + 1 < A) sn.y = tab[i * NBP + 2 * qj + 1].x, cs.y = tab[i * NBP + 2 * qj + 1].y;
+          const float2 sn = make_float2(sc[k].x, sc[k].z), cs = make_float2(sc[k].y, sc[k].w);
           const float E = expf(w.eda[k]);
           const float2 lo = mimo::bf2_f(w.q[k][0]), hi = mimo::bf2_f(w.q[k][1]);
-          const float2 x1 = make_float2(lo.x + bv[2 * qj], lo.y + bv[2 * qj + 1]);
-          const float2 x2 = make_float2(hi.x + bv[NBP + 2 * qj], hi.y + bv[NBP + 2 * qj + 1]);
+          const float2 x1 = make_float2(lo.x + qb1.x, lo.y + qb1.y);
+          const float2 x2 = make_float2(hi.x + qb2.x, hi.y + qb2.y);
           y1 = x1, y2 = x2;
           if (n < A)
             y1.x = mimo::mb_fma_rn(x1.x, cs.x, -mimo::mb_fmul_rn(x2.x, sn.x)),
@@ -230,11 +256,9 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
           float2 g = make_float2(0.f, 0.f);
           if (i < L) {
             g = d;
-            const float2 mo = *reinterpret_cast<const float2*>(s_wo + r * Pb + 2 * gj);
-            g.x *= mo.x, g.y *= mo.y;
+            g.x *= mo[r].x, g.y *= mo[r].y;
             if constexpr (kGate) {
-              const float2 mz = *reinterpret_cast<const float2*>(s_wz + r * Pb + 2 * gj);
-              const float2 gz = make_float2(silu_f(z.x * mz.x), silu_f(z.y * mz.y));
+              const float2 gz = make_float2(silu_f(z.x * mz[r].x), silu_f(z.y * mz[r].y));
               g.x *= gz.x, g.y *= gz.y;
             }
           }
@@ -325,6 +349,11 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   if (nch > 2) load(w1, nch - 2);
   if (nch > 1) table(w0, nch - 1);
   bb_sync();  // the block's weights, the first chunk's table
+  {
+    const float* bv = s_bias + qr * Nb;
+    qb1 = make_float2(bv[2 * qj], bv[2 * qj + 1]);
+    qb2 = make_float2(bv[NBP + 2 * qj], bv[NBP + 2 * qj + 1]);
+  }
   for (int c = nch - 1; c >= 1; c -= 2) {
     step(w0, w1, c, 0);
     if (c > 1) step(w1, w0, c - 1, 1);
