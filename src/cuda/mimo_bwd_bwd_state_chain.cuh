@@ -101,6 +101,8 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   constexpr int SSTEP = NT / NBP, SPT = (C + SSTEP - 1) / SSTEP;
   constexpr int GJ = Pb / 2, GSTEP = NT / GJ, GPT = (C + GSTEP - 1) / GSTEP;
   constexpr bool kGate = AT::gate != 0;
+  // mz's extent, named: as an array bound inside a lambda the expression crashes g++ 12.
+  constexpr int kRz = kGate ? R : 1;
   static_assert(AT::layout == 0, "reduce-O dout (the contiguous-layout sets)");
   static_assert(NT % (QJ * R) == 0 && NT % NBP == 0 && NT % GJ == 0,
                 "a thread keeps its columns (and rank)");
@@ -213,7 +215,7 @@ BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
         }
       }
     }
-    float2 mo[R], mz[kGate ? R : 1];
+    float2 mo[R], mz[kRz];
     BB_UNROLL
     for (int r = 0; r < R; ++r) {
       mo[r] = *reinterpret_cast<const float2*>(s_wo + r * Pb + 2 * gj);
