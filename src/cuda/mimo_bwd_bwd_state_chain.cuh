@@ -25,8 +25,9 @@
 // rotation): a block is NBP pair columns (16, 32 at N256), i.e. rows n0 .. n0 + NBP and
 // half + n0 .. half + n0 + NBP of dS, and Pb of its P columns, with Pb split so that every shape
 // of the grid gets 4 CTAs per (b, h): 256 CTAs at B4 H16, two of 8 warps per SM (264 slots on
-// 132 SMs: one wave; 8 CTAs per (b, h) at N256 made two). The q rows of a block are loaded once; dout rows are loaded by each of the N / 2 NBP
-// blocks of a column block (cheap: C P per chunk against C R N of q). A q task is one step, rank
+// 132 SMs: one wave; 8 CTAs per (b, h) at N256 made two). The q rows of a block are loaded
+// once; dout rows are loaded by each of the N / 2 NBP blocks of a column block (cheap: C P per
+// chunk against C R N of q). A q task is one step, rank
 // and column pair (every thread has rows at every shape; with the ranks inside a task, at C8 a
 // quarter of the threads had rows to form and the rest waited at the barrier); its sin / cos come
 // from a (sin, cos) table of the chunk, written one chunk ahead by one sincosf per angle (tasks
