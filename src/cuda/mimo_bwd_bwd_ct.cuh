@@ -34,7 +34,7 @@ PlanesKernel ct_k3_combined(const Args& a);
 // The state chain kernel (K1 + K2 in one: mimo_bwd_bwd_state_chain.cuh) of a's shape and
 // contiguous-layout set: launched with `per_bh` CTAs per (b, h) of kChainThreads and `smem`
 // bytes of shared memory; {} (kernel nullptr) where there is none (a's shape is not one of
-// MAMBA3_BB_CT_SHAPES).
+// MAMBA3_BB_CT_SHAPES, or N32: ct_chain_entry).
 struct ChainKernel {
   PlanesKernel k;
   int smem = 0, per_bh = 0;
@@ -114,17 +114,23 @@ PlanesKernel ct_k3_entry() {
           }};
 }
 
-// (Branch s22-chain-cs: N32 too, to be measured; main keeps K1 + K2 at N32, where the chain with
-// the ranks inside each task measured slower: 0.183 against 0.163 ms on an H100.)
+// None at N32 (K1 + K2 there): its one row block leaves four column blocks each forming all of
+// q's rows, and the chain stays slower than K1 + K2 there (H100: 0.183 against 0.163 ms with the
+// ranks inside each q task, session 22, its first form 0.185 against 0.154 on an H200; 0.165
+// against 0.162 with one q task per rank, session 25).
 template <int N, int P, int R, int C, int CL>
 ChainKernel ct_chain_entry() {
-  return {{reinterpret_cast<const void*>(bb_state_chain_ct_kernel<N, P, R, C, CL>),
-           [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
-             bb_state_chain_ct_kernel<N, P, R, C, CL>
-                 <<<grid, nt, smem, st>>>(ct_args<N, P, R, C, CL>(a));
-           }},
-          chain_smem_bytes<N, P, R, C>(),
-          chain_blocks_per_bh<N, P>()};
+  if constexpr (N == 32) {
+    return {};
+  } else {
+    return {{reinterpret_cast<const void*>(bb_state_chain_ct_kernel<N, P, R, C, CL>),
+             [](const Args& a, unsigned grid, int nt, int smem, cudaStream_t st) {
+               bb_state_chain_ct_kernel<N, P, R, C, CL>
+                   <<<grid, nt, smem, st>>>(ct_args<N, P, R, C, CL>(a));
+             }},
+            chain_smem_bytes<N, P, R, C>(),
+            chain_blocks_per_bh<N, P>()};
+  }
 }
 
 // The entry of one kind (K1, K3, state chain) as a class template over the shape and set, for

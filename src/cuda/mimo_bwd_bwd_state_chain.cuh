@@ -10,8 +10,11 @@
 // registers: only dS_c is written (the slab K3 reads), U never leaves the SM. Measured (H100,
 // session 22, K1 + K2 -> chain with the ranks inside each q task, ms): N256 C8 1.318 -> 0.853,
 // N128 P128 C8 1.253 -> 0.672, N128 R4 C16 0.402 -> 0.296, R2 C32 0.221 -> 0.156, R1 C64
-// 0.117 -> 0.099, N32 0.163 -> 0.183. This form (branch s22-chain-cs: one q task per rank,
-// their sin / cos from a per-chunk table) is not measured yet.
+// 0.117 -> 0.099, N32 0.163 -> 0.183. This form (one q task per rank, their sin / cos from a
+// per-chunk table; 4 CTAs per (b, h) at N256; reads before stores; session 25, H100, ms of the
+// chain against session 22's): N256 C8 0.855 -> 0.664, N16 0.277 -> 0.213, R8 C8 0.630 ->
+// 0.574, N128 P128 C8 0.673 -> 0.633, R4 C16 -0.003 to -0.020, R2 C32 0.156 -> 0.161, R1 C64
+// 0.098 -> 0.098, N32 (now on the chain) 0.162 (K1 + K2) -> 0.165.
 //
 // Same values as K1 + K2, bit for bit (the CUDA and host-emulated tests compare the slabs): the
 // rows E_i qh_i^r and dPhiO_i^r are formed with increment_planes_body's expressions (bias added,
