@@ -1192,12 +1192,12 @@ struct XGPair {
 
 // The warp tasks of the planes K3's coefficient builds (M1, M2, M3: [T][T], T = 16 nT, nT in
 // {1, 2, 4}: make_plan). Each product reads its coefficient matrix only on one side of the
-// block diagonal: M1 (dqh, k steps below dqh_ke = m0 + 16) the 16 x 16 blocks (a, b) with
-// b <= a, M2 and M3 (dkh from dkh_kb = m0, dx from its tile's first row's step, also m0) those
-// with b >= a. So the builds form only those: nT (nT + 1) / 2 blocks of nT^2 (10 of 16 at T = 64:
-// 37.5% fewer tasks, at most 3 per warp instead of 4; 3 of 4 at T = 32), four warp tasks per
-// block, the blocks listed 4 bits each (a | b << 2) in one 64-bit constant. The unbuilt blocks
-// keep the previous matrix's values, which no product reads: the same operands, the same bits.
+// block diagonal: M1 (dqh, k up to dqh_ke = m0 + 16) the 16 x 16 blocks (a, b) with b <= a, M2
+// and M3 (dkh and dx from dkh_kb = m0) those with b >= a. So the builds form only those:
+// nT (nT + 1) / 2 blocks of nT^2 (10 of 16 at T = 64: 37.5% fewer tasks, at most 3 per warp
+// instead of 4; 3 of 4 at T = 32), four warp tasks per block, the blocks listed 4 bits each
+// (a | b << 2) in one 64-bit constant. The unbuilt blocks keep the previous matrix's values,
+// which no product reads: the same operands, the same bits.
 constexpr uint64_t coef_blocks_pack(int nT, bool lower) {
   uint64_t t = 0;
   int k = 0;
@@ -1825,10 +1825,12 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         return u == 0 ? warp : 2 * kPlanesWarps - 1 - warp;
       }
     };
-    // Keys of steps before the tile's last row's step (M1 is zero from there on).
-    auto dqh_ke = [&](int m0) { return bb_min(T, ((((m0 + 15) >> lgR) << lgR) + 15) & ~15); };
-    // Queries of steps after the tile's first row's step.
-    auto dkh_kb = [&](int m0) { return bb_min(T, ((m0 >> lgR) + 1) << lgR) & ~15; };
+    // The intra-chunk products' k ranges, whole 16-column blocks: R divides 16, so the steps of a
+    // tile's 16 rows are exactly those of the 16 columns of the same block, and M1 (zero from a
+    // row's own step on) ends after the tile's block, M2 and M3 (zero up to it) start at it: the
+    // blocks CoefBlocks builds.
+    auto dqh_ke = [&](int m0) { return m0 + 16; };
+    auto dkh_kb = [&](int m0) { return m0; };
     if constexpr (kPair) {
       // inter_chunk_tile's three steps for both tiles, the products paired.
       const int ma = (acc_tile(0) >> lgnN) * 16, mb = (acc_tile(1) >> lgnN) * 16;
@@ -2039,9 +2041,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       warp_mma_16x16<false, true, kMmaUnroll, kInc>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
       scale_rows(acc, m0, lgR, s_F);
       scale_rows(acc, m0, lgR, s_ts);
-      // From the first row's own step on.
-      warp_mma_16x16<false, true, kMmaUnroll, kInc>(
-          acc, Mc, m0, Gp, p0, ((m0 >> lgR) << lgR) & ~15, T);
+      // From the tile's own block on (dkh_kb).
+      warp_mma_16x16<false, true, kMmaUnroll, kInc>(acc, Mc, m0, Gp, p0, dkh_kb(m0), T);
       store_tile(acc, m0, p0, dx, ldx);
     }
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
