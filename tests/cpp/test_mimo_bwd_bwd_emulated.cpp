@@ -163,7 +163,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
       const bool shape_only = k3 == K3::PlanesCTShape;
       unsigned char* sm = smem.data();
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, pl.grid1, sm, shape_only, true) ||
-                   launch_planes_ct<256, 64, 4, 8>(a, pl.grid1, sm, shape_only, true)))
+                   launch_planes_ct<256, 64, 4, 8>(a, pl.grid1, sm, shape_only, true) ||
+                   launch_planes_ct<128, 64, 2, 32>(a, pl.grid1, sm, shape_only, true)))
           << "no specialised K1 of this shape in the test";
     } else {
       launch(pl.grid1, bb::kIncPlanesThreads,
@@ -184,7 +185,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
           << "the operands do not select the requested specialisation";
       const bool shape_only = k3 == K3::PlanesCTShape;
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data(), shape_only) ||
-                   launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data(), shape_only)))
+                   launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data(), shape_only) ||
+                   launch_planes_ct<128, 64, 2, 32>(a, grid, smem.data(), shape_only)))
           << "no specialised K3 of this shape in the test";
     } else {
       launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(a, smem.data()); });
@@ -537,6 +539,10 @@ TEST(MimoBwdBwdEmulated, PlanesKernelSpecialisedGivesIdenticalBits) {
   check_case(Shape{1, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, F}, 501, 2,
              K3::PlanesCT);
   check_case(Shape{1, 20, 1, 1, 256, 64, 4, 8, 4, kPerRank, true, 0, BF, F}, 502, 1,
+             K3::PlanesCT);
+  // R2 C32 (64 rows per chunk at two ranks: the shape where bwd_bwd is closest to upstream), the
+  // last chunk partial.
+  check_case(Shape{1, 70, 1, 1, 128, 64, 2, 32, 4, kReduceO, true, 0, BF, F}, 503, 2,
              K3::PlanesCT);
 }
 
