@@ -14,7 +14,8 @@
 // per-chunk table; 4 CTAs per (b, h) at N256; reads before stores; session 25, H100, ms of the
 // chain against session 22's): N256 C8 0.855 -> 0.664, N16 0.277 -> 0.213, R8 C8 0.630 ->
 // 0.574, N128 P128 C8 0.673 -> 0.633, R4 C16 -0.003 to -0.020, R2 C32 0.156 -> 0.161, R1 C64
-// 0.098 -> 0.098, N32 (now on the chain) 0.162 (K1 + K2) -> 0.165.
+// 0.098 -> 0.098. At N32, where each CTA forms all of q's rows (one row block), it took 0.165
+// against K1 + K2's 0.162: K1 + K2 stay there (ct_chain_entry).
 //
 // Same values as K1 + K2, bit for bit (the CUDA and host-emulated tests compare the slabs): the
 // rows E_i qh_i^r and dPhiO_i^r are formed with increment_planes_body's expressions (bias added,
@@ -30,11 +31,11 @@
 // of the grid gets 4 CTAs per (b, h): 256 CTAs at B4 H16, two of 8 warps per SM (264 slots on
 // 132 SMs: one wave; 8 CTAs per (b, h) at N256 made two). The q rows of a block are loaded
 // once; dout rows are loaded by each of the N / 2 NBP blocks of a column block (cheap: C P per
-// chunk against C R N of q). A q task is one step, rank
-// and column pair (every thread has rows at every shape; with the ranks inside a task, at C8 a
-// quarter of the threads had rows to form and the rest waited at the barrier); its sin / cos come
-// from a (sin, cos) table of the chunk, written one chunk ahead by one sincosf per angle (tasks
-// of one rank each that called sincosf themselves measured slower: R times the sincosf).
+// chunk against C R N of q). A q task is one step, rank and column pair (every thread has rows
+// at every shape; with the ranks inside a task, at C8 a quarter of the threads had rows to form
+// and the rest waited at the barrier); its sin / cos come from a (sin, cos) table of the chunk,
+// written one chunk ahead by one sincosf per angle (tasks of one rank each that called sincosf
+// themselves measured slower: R times the sincosf).
 //
 // Per chunk a CTA: forms the chunk's planes from registers loaded two chunks earlier, and the
 // next chunk's (sin, cos) table (their global loads overlap two chunks' products and stores; a
