@@ -40,7 +40,8 @@ def main():
         if args.match:
             match[sh].setdefault(t, []).append(sum(v for n, v in k.items() if args.match in n))
     tags = sorted({t for sh in total for t in total[sh]}, key=lambda t: (t != args.base, t))
-    print("ms, min over rounds: state kernels | all kernels" + (f" | {args.match}" if args.match else ""))
+    head = "ms, min over rounds: state kernels | all kernels"
+    print(head + (f" | {args.match}" if args.match else ""))
     for sh in total:
         row = " ".join(f"{t} {min(state[sh][t]):.3f}" for t in tags if t in state[sh])
         row += " | " + " ".join(f"{t} {min(total[sh][t]):.3f}" for t in tags if t in total[sh])

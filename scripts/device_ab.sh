@@ -31,13 +31,20 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/nu
 
 # Unpack what DIR holds into W (xz or plain).
 unpack() {  # name -> W/name, or nothing if absent
-  if [ -f "$SRC/$1.xz" ]; then xz -T0 -dc "$SRC/$1.xz" > "$W/$1"; elif [ -f "$SRC/$1" ]; then cp "$SRC/$1" "$W/$1"; fi
+  if [ -f "$SRC/$1.xz" ]; then
+    xz -T0 -dc "$SRC/$1.xz" > "$W/$1"
+  elif [ -f "$SRC/$1" ]; then
+    cp "$SRC/$1" "$W/$1"
+  fi
 }
 found=$(ls "$SRC" | sed -n 's/^lib\(.*\)\.so\(\.xz\)\{0,1\}$/\1/p' | grep -v '^mamba3$' | sort -u)
 if [ -n "${TAGS:-}" ]; then tags=${TAGS//,/ }; else
   tags="$(echo "$found" | grep -x "$BASE") $(echo "$found" | grep -vx "$BASE" | tr '\n' ' ')"
 fi
-for t in $tags; do unpack "lib$t.so"; [ -f "$W/lib$t.so" ] || { echo "no lib$t.so(.xz) in $SRC" >&2; exit 2; }; done
+for t in $tags; do
+  unpack "lib$t.so"
+  [ -f "$W/lib$t.so" ] || { echo "no lib$t.so(.xz) in $SRC" >&2; exit 2; }
+done
 unpack mamba3_tests; unpack mamba3-selfcheck; chmod +x "$W"/mamba3* 2>/dev/null
 echo "builds: $tags ($(el) s)"
 
@@ -62,8 +69,11 @@ if [ -n "$HASH_SHAPES" ]; then
   # Per candidate: how many (op, shape) lines differ from the base's.
   for t in $tags; do
     [ "$t" = "$BASE" ] && continue
-    d=$(awk -v b="$BASE" -v c="$t" '$1 == "HASH" { k = $2" "$3" "$4" "$5" "$6; if ($8 == b) B[k] = $7; if ($8 == c) C[k] = $7 }
-         END { n = 0; m = 0; for (k in C) { m++; if (!(k in B) || B[k] != C[k]) n++ } print n " of " m }' "$OUT/hashes.txt")
+    d=$(awk -v b="$BASE" -v c="$t" '
+          $1 == "HASH" { k = $2" "$3" "$4" "$5" "$6
+                         if ($8 == b) B[k] = $7; if ($8 == c) C[k] = $7 }
+          END { n = 0; m = 0; for (k in C) { m++; if (!(k in B) || B[k] != C[k]) n++ }
+                print n " of " m }' "$OUT/hashes.txt")
     echo "hashes $t: $d lines differ from $BASE"
   done
 fi
@@ -73,14 +83,18 @@ if [ "$TESTS" = 1 ]; then
     [ "$t" = "$BASE" ] && continue
     cp "$W/lib$t.so" "$W/libmamba3.so"
     if [ -x "$W/mamba3_tests" ]; then
-      t1=$(date +%s); LD_LIBRARY_PATH="$W" timeout 150 "$W/mamba3_tests" --gtest_filter='*Cuda*' \
+      t1=$(date +%s)
+      LD_LIBRARY_PATH="$W" timeout 150 "$W/mamba3_tests" --gtest_filter='*Cuda*' \
         > "$OUT/gtest_$t.log" 2>&1
-      echo "gtests $t rc $? ($(( $(date +%s) - t1 )) s): $(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/gtest_$t.log" | head -2 | tr '\n' ' ')"
+      rc=$?
+      res=$(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/gtest_$t.log" | head -2 | tr '\n' ' ')
+      echo "gtests $t rc $rc ($(( $(date +%s) - t1 )) s): $res"
     fi
     if [ -x "$W/mamba3-selfcheck" ]; then
-      LD_LIBRARY_PATH="$W" timeout 90 "$W/mamba3-selfcheck" --device cuda --output "$OUT/selfcheck_$t.md" \
+      sc="$OUT/selfcheck_$t.md"
+      LD_LIBRARY_PATH="$W" timeout 90 "$W/mamba3-selfcheck" --device cuda --output "$sc" \
         > /dev/null 2>&1
-      echo "selfcheck $t rc $?: PASS $(grep -c PASS "$OUT/selfcheck_$t.md") FAIL $(grep -c FAIL "$OUT/selfcheck_$t.md")"
+      echo "selfcheck $t rc $?: PASS $(grep -c PASS "$sc") FAIL $(grep -c FAIL "$sc")"
     fi
   done
 fi
