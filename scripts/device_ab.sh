@@ -17,8 +17,8 @@
 # Results under $OUT (default ./ab_out): kt_<op>.jsonl, hashes.txt, gtest_<tag>.log,
 # selfcheck_<tag>.md, summary_<op>.txt; the summary of the first op is printed last.
 # Compare builds only within one call: machines differ by several per cent.
-set -uo pipefail
-cd "$(dirname "$0")/.."
+set -uo pipefail  # (no -e: one failed run must not stop the others)
+cd "$(dirname "$0")/.." || exit 1
 [ $# -eq 1 ] && [ -d "$1" ] || { echo "usage: $0 DIR (with lib<TAG>.so[.xz] files)" >&2; exit 2; }
 SRC=$(cd "$1" && pwd)
 OUT=${OUT:-$PWD/ab_out}; mkdir -p "$OUT"
