@@ -1118,6 +1118,22 @@ struct PairTiles<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = nT >= 2 && nT * nN == 2 * kPlanesWarps;
 };
 
+// K3's phase 1 in pairs of tiles of one column block (rows a and a + nT / 2 of KQ or XG), so that
+// each pair loads B (qh or dPhiO) once per k step (mimo::warp_mma_16x16_pair: 6 ldmatrix per 12
+// mma, against 8): where there are at least as many pairs as warps (T >= 64), the KQ pairs on the
+// first warps and the XG pairs on the rest (at T = 64 each scheduler gets two of each, the same
+// mma per scheduler as the single tiles). Per tile the same fragments and mma order: the same
+// bits. Specialised kernels only, as PairTiles.
+template <class AT>
+struct PairKQ {
+  static constexpr bool on = false;
+};
+template <int N, int P, int R, int C, int CL>
+struct PairKQ<ArgsCT<N, P, R, C, CL>> {
+  static constexpr int nT = C * R / 16;
+  static constexpr bool on = nT * nT >= kPlanesWarps;
+};
+
 // K3's products with incremental fragment addresses (warp_mma_16x16's INC) where that measured
 // faster (H200, session 14: planes K3 at N256 P64 R4 C8 -2.8%; at N128 P64 R4 C16 +1.2%, at the
 // other grid shapes within +-1%). The same bits either way.
@@ -1764,18 +1780,38 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       }
     }
 
-    // ---- phase 1: KQ, XG (one 16 x 16 tile per warp and task)
-    for (int tile = warp; tile < 2 * nT * nT; tile += kPlanesWarps) {
-      const bool xg = tile >= nT * nT;
-      const int t2 = xg ? tile - nT * nT : tile;
-      const int m0 = (t2 >> lgnT) * 16, n0 = (t2 & (nT - 1)) * 16;
-      float acc[2][4];
-      mimo::zero_acc(acc);
-      if (xg)
-        warp_mma_16x16<false, false, kMmaUnroll, kInc>(acc, X, m0, Gp, n0, 0, P);
-      else
-        warp_mma_16x16<false, false, kMmaUnroll, kInc>(acc, Kh, m0, Qh, n0, 0, N);
-      store_tile(acc, m0, n0, xg ? XG : KQ, ldk);
+    // ---- phase 1: KQ, XG (one 16 x 16 tile per warp and task, or two: PairKQ)
+    if constexpr (PairKQ<AT>::on) {
+      constexpr int nTc = PairKQ<AT>::nT, half_tasks = nTc * nTc / 2;
+      for (int task = warp; task < nTc * nTc; task += kPlanesWarps) {
+        const bool xg = task >= half_tasks;
+        const int p = xg ? task - half_tasks : task;
+        const int n0 = (p & (nTc - 1)) * 16, ma = (p / nTc) * 16, mb = ma + nTc * 8;
+        float acc[2][2][4];
+        mimo::zero_acc(acc[0]);
+        mimo::zero_acc(acc[1]);
+        if (xg)
+          mimo::warp_mma_16x16_pair<false, false, kMmaUnroll, kInc>(acc[0], ma, 0, P, acc[1], mb,
+                                                                    0, P, X, Gp, n0);
+        else
+          mimo::warp_mma_16x16_pair<false, false, kMmaUnroll, kInc>(acc[0], ma, 0, N, acc[1], mb,
+                                                                    0, N, Kh, Qh, n0);
+        store_tile(acc[0], ma, n0, xg ? XG : KQ, ldk);
+        store_tile(acc[1], mb, n0, xg ? XG : KQ, ldk);
+      }
+    } else {
+      for (int tile = warp; tile < 2 * nT * nT; tile += kPlanesWarps) {
+        const bool xg = tile >= nT * nT;
+        const int t2 = xg ? tile - nT * nT : tile;
+        const int m0 = (t2 >> lgnT) * 16, n0 = (t2 & (nT - 1)) * 16;
+        float acc[2][4];
+        mimo::zero_acc(acc);
+        if (xg)
+          warp_mma_16x16<false, false, kMmaUnroll, kInc>(acc, X, m0, Gp, n0, 0, P);
+        else
+          warp_mma_16x16<false, false, kMmaUnroll, kInc>(acc, Kh, m0, Qh, n0, 0, N);
+        store_tile(acc, m0, n0, xg ? XG : KQ, ldk);
+      }
     }
     bb_sync();
 
