@@ -1134,6 +1134,24 @@ struct PairKQ<ArgsCT<N, P, R, C, CL>> {
   static constexpr bool on = nT * nT >= kPlanesWarps;
 };
 
+// K3's dx tiles in pairs of one column block (rows a and nT - 1 - a: the same balance of M3's k
+// steps as PairTiles), B (dS, then dPhiO) loaded once per k step for both: where the tiles are
+// at least twice the warps' count / 2 (T >= 64, T P >= 4096; at T P = 4096 half of the warps
+// have a pair and the rest none: the same mma per scheduler, a quarter fewer ldmatrix). Same
+// fragments and mma order per tile: the same bits. Specialised kernels only, after PairTiles.
+template <class AT>
+struct PairDx {
+  static constexpr bool on = false;
+};
+template <int N, int P, int R, int C, int CL>
+struct PairDx<ArgsCT<N, P, R, C, CL>> {
+  static constexpr int nT = C * R / 16, nP = P / 16;
+  // Not with PairTiles (the N128 / N256 shapes): its dqh / dkh accumulators are live here, and
+  // the pairs spilled 4-80 bytes at four N128 shapes.
+  static constexpr bool on =
+      nT >= 4 && nT * nP >= kPlanesWarps && !PairTiles<ArgsCT<N, P, R, C, CL>>::on;
+};
+
 // K3's products with incremental fragment addresses (warp_mma_16x16's INC) where that measured
 // faster (H200, session 14: planes K3 at N256 P64 R4 C8 -2.8%; at N128 P64 R4 C16 +1.2%, at the
 // other grid shapes within +-1%). The same bits either way.
@@ -2070,16 +2088,37 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       dg_q[e] = gam * XG[((i << lgR) + r2) * ldk + row];
       dg_k[e] = gam * XG[row * ldk + (i << lgR) + r2];
     }
-    for (int tile = warp; tile < (T * P) >> 8; tile += kPlanesWarps) {
-      const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;
-      float acc[2][4];
-      mimo::zero_acc(acc);
-      warp_mma_16x16<false, true, kMmaUnroll, kInc>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
-      scale_rows(acc, m0, lgR, s_F);
-      scale_rows(acc, m0, lgR, s_ts);
-      // From the tile's own block on (dkh_kb).
-      warp_mma_16x16<false, true, kMmaUnroll, kInc>(acc, Mc, m0, Gp, p0, dkh_kb(m0), T);
-      store_tile(acc, m0, p0, dx, ldx);
+    if constexpr (PairDx<AT>::on) {
+      // Tiles (a, j) and (nT - 1 - a, j) of one column block j (PairDx), B loaded once.
+      constexpr int nTc = PairDx<AT>::nT, nPc = PairDx<AT>::nP;
+      for (int task = warp; task < nTc / 2 * nPc; task += kPlanesWarps) {
+        const int p0 = (task % nPc) * 16, ma = (task / nPc) * 16, mb = (nTc - 1) * 16 - ma;
+        float acc[2][2][4];
+        mimo::zero_acc(acc[0]);
+        mimo::zero_acc(acc[1]);
+        mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(acc[0], ma, 0, N, acc[1], mb, 0,
+                                                                 N, Kh, Sp, p0);  // kh dS
+        scale_rows(acc[0], ma, lgR, s_F);
+        scale_rows(acc[0], ma, lgR, s_ts);
+        scale_rows(acc[1], mb, lgR, s_F);
+        scale_rows(acc[1], mb, lgR, s_ts);
+        mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(
+            acc[0], ma, dkh_kb(ma), T, acc[1], mb, dkh_kb(mb), T, Mc, Gp, p0);
+        store_tile(acc[0], ma, p0, dx, ldx);
+        store_tile(acc[1], mb, p0, dx, ldx);
+      }
+    } else {
+      for (int tile = warp; tile < (T * P) >> 8; tile += kPlanesWarps) {
+        const int m0 = (tile >> lgnP) * 16, p0 = (tile & ((1 << lgnP) - 1)) * 16;
+        float acc[2][4];
+        mimo::zero_acc(acc);
+        warp_mma_16x16<false, true, kMmaUnroll, kInc>(acc, Kh, m0, Sp, p0, 0, N);  // kh dS
+        scale_rows(acc, m0, lgR, s_F);
+        scale_rows(acc, m0, lgR, s_ts);
+        // From the tile's own block on (dkh_kb).
+        warp_mma_16x16<false, true, kMmaUnroll, kInc>(acc, Mc, m0, Gp, p0, dkh_kb(m0), T);
+        store_tile(acc, m0, p0, dx, ldx);
+      }
     }
     bb_sync();  // qh / kh planes dead: dqh / dkh go there
 
