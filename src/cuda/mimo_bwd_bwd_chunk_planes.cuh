@@ -1123,7 +1123,8 @@ struct PairTiles<ArgsCT<N, P, R, C, CL>> {
 // mma, against 8): where there are at least as many pairs as warps (T >= 64), the KQ pairs on the
 // first warps and the XG pairs on the rest (at T = 64 each scheduler gets two of each, the same
 // mma per scheduler as the single tiles). Per tile the same fragments and mma order: the same
-// bits. Specialised kernels only, as PairTiles.
+// bits. Specialised kernels only, as PairTiles. Measured (H100, session 27, against single
+// tiles): K3 -1.5 to -2.2% at each of the eight T = 64 grid shapes.
 template <class AT>
 struct PairKQ {
   static constexpr bool on = false;
@@ -1135,10 +1136,12 @@ struct PairKQ<ArgsCT<N, P, R, C, CL>> {
 };
 
 // K3's dx tiles in pairs of one column block (rows a and nT - 1 - a: the same balance of M3's k
-// steps as PairTiles), B (dS, then dPhiO) loaded once per k step for both: where the tiles are
-// at least twice the warps' count / 2 (T >= 64, T P >= 4096; at T P = 4096 half of the warps
-// have a pair and the rest none: the same mma per scheduler, a quarter fewer ldmatrix). Same
-// fragments and mma order per tile: the same bits. Specialised kernels only, after PairTiles.
+// steps as PairTiles), B (dS, then dPhiO) loaded once per k step for both: where there are at
+// least two tiles per warp (T P >= 8192 at T >= 64: N64 P128 R4 C16 in the grid). Same fragments
+// and mma order per tile: the same bits. Specialised kernels only, not with PairTiles (its dqh /
+// dkh accumulators are live here: the pairs spilled 4-80 bytes at four N128 shapes). Measured
+// (H100, session 27): K3 -0.9% at N64 P128; with one pair per two warps (T P = 4096: half of the
+// warps idle, a quarter fewer ldmatrix) -0.3% at N64 P64 and +1.3% at N32, so not there.
 template <class AT>
 struct PairDx {
   static constexpr bool on = false;
@@ -1146,10 +1149,8 @@ struct PairDx {
 template <int N, int P, int R, int C, int CL>
 struct PairDx<ArgsCT<N, P, R, C, CL>> {
   static constexpr int nT = C * R / 16, nP = P / 16;
-  // Not with PairTiles (the N128 / N256 shapes): its dqh / dkh accumulators are live here, and
-  // the pairs spilled 4-80 bytes at four N128 shapes.
   static constexpr bool on =
-      nT >= 4 && nT * nP >= kPlanesWarps && !PairTiles<ArgsCT<N, P, R, C, CL>>::on;
+      nT >= 4 && nT * nP >= 2 * kPlanesWarps && !PairTiles<ArgsCT<N, P, R, C, CL>>::on;
 };
 
 // K3's products with incremental fragment addresses (warp_mma_16x16's INC) where that measured

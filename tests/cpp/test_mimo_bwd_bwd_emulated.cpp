@@ -154,7 +154,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
   const bool chain = pl.grid1 > 0 && pl.planes && k3 == K3::PlanesCTL && !scalar_loads &&
                      bb::chain_allowed_by_env();
   if (chain) {
-    ASSERT_TRUE((launch_chain_ct<128, 64, 4, 16>(a) || launch_chain_ct<256, 64, 4, 8>(a)))
+    ASSERT_TRUE((launch_chain_ct<128, 64, 4, 16>(a) || launch_chain_ct<256, 64, 4, 8>(a) ||
+                 launch_chain_ct<64, 128, 4, 16>(a)))
         << "no state chain kernel of this shape and layout in the test";
   } else if (pl.grid1 > 0 && pl.planes) {
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
@@ -164,7 +165,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
       unsigned char* sm = smem.data();
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, pl.grid1, sm, shape_only, true) ||
                    launch_planes_ct<256, 64, 4, 8>(a, pl.grid1, sm, shape_only, true) ||
-                   launch_planes_ct<128, 64, 2, 32>(a, pl.grid1, sm, shape_only, true)))
+                   launch_planes_ct<128, 64, 2, 32>(a, pl.grid1, sm, shape_only, true) ||
+                   launch_planes_ct<64, 128, 4, 16>(a, pl.grid1, sm, shape_only, true)))
           << "no specialised K1 of this shape in the test";
     } else {
       launch(pl.grid1, bb::kIncPlanesThreads,
@@ -186,7 +188,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
       const bool shape_only = k3 == K3::PlanesCTShape;
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data(), shape_only) ||
                    launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data(), shape_only) ||
-                   launch_planes_ct<128, 64, 2, 32>(a, grid, smem.data(), shape_only)))
+                   launch_planes_ct<128, 64, 2, 32>(a, grid, smem.data(), shape_only) ||
+                   launch_planes_ct<64, 128, 4, 16>(a, grid, smem.data(), shape_only)))
           << "no specialised K3 of this shape in the test";
     } else {
       launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(a, smem.data()); });
@@ -565,6 +568,11 @@ TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
   Shape s3{1, 100, 1, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
   s3.bench_dtypes = true;
   check_case(s3, 513, 2, K3::PlanesCTL);
+  // N64 P128 R4 C16: a shape without PairTiles whose copy pairs its phase 1 and dx tiles
+  // (bb::PairKQ, bb::PairDx; N128 R4 C16 above has PairKQ only, N256 C8 neither).
+  Shape s4{1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF};
+  s4.bench_dtypes = true;
+  check_case(s4, 514, 2, K3::PlanesCTL);
 }
 
 // The same for the combined backward's operand set (bb::ArgsCT<.., kCtCombined>: fp32 states,
@@ -579,6 +587,9 @@ TEST(MimoBwdBwdEmulated, PlanesKernelCombinedLayoutGivesIdenticalBits) {
   Shape s2{1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF};
   s2.bench_dtypes = s2.combined = true;
   check_case(s2, 522, 3, K3::PlanesCTL);
+  Shape s3{1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF};
+  s3.bench_dtypes = s3.combined = true;
+  check_case(s3, 523, 2, K3::PlanesCTL);
 }
 
 // The planes kernel walks several chunks per CTA (the device launches one CTA per SM; here 3)
