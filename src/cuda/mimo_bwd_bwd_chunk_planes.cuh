@@ -1140,8 +1140,9 @@ struct PairKQ<ArgsCT<N, P, R, C, CL>> {
 // least two tiles per warp (T P >= 8192 at T >= 64: N64 P128 R4 C16 in the grid). Same fragments
 // and mma order per tile: the same bits. Specialised kernels only, not with PairTiles (its dqh /
 // dkh accumulators are live here: the pairs spilled 4-80 bytes at four N128 shapes). Measured
-// (H100, session 27): K3 -0.9% at N64 P128; with one pair per two warps (T P = 4096: half of the
-// warps idle, a quarter fewer ldmatrix) -0.3% at N64 P64 and +1.3% at N32, so not there.
+// (H100, session 27, on top of PairKQ): K3 -0.9% at N64 P128 (the same code at other shapes
+// differed by up to 0.6% between libraries in that call); with one pair per two warps (T P =
+// 4096: half of the warps idle, a quarter fewer ldmatrix) -0.3% at N64 P64 and +1.3% at N32.
 template <class AT>
 struct PairDx {
   static constexpr bool on = false;
