@@ -1124,7 +1124,7 @@ struct PairTiles<ArgsCT<N, P, R, C, CL>> {
 // first warps and the XG pairs on the rest (at T = 64 each scheduler gets two of each, the same
 // mma per scheduler as the single tiles). Per tile the same fragments and mma order: the same
 // bits. Specialised kernels only, as PairTiles. Measured (H100, session 27, against single
-// tiles): K3 -1.5 to -2.2% at each of the eight T = 64 grid shapes.
+// tiles, two calls): K3 -1.0 to -2.3% at each of the eight T = 64 grid shapes.
 template <class AT>
 struct PairKQ {
   static constexpr bool on = false;
