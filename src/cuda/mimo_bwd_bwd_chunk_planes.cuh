@@ -2100,10 +2100,11 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         mimo::zero_acc(acc[1]);
         mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(acc[0], ma, 0, N, acc[1], mb, 0,
                                                                  N, Kh, Sp, p0);  // kh dS
-        scale_rows(acc[0], ma, lgR, s_F);
-        scale_rows(acc[0], ma, lgR, s_ts);
-        scale_rows(acc[1], mb, lgR, s_F);
-        scale_rows(acc[1], mb, lgR, s_ts);
+        BB_UNROLL
+        for (int u = 0; u < 2; ++u) {
+          scale_rows(acc[u], u ? mb : ma, lgR, s_F);
+          scale_rows(acc[u], u ? mb : ma, lgR, s_ts);
+        }
         mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(
             acc[0], ma, dkh_kb(ma), T, acc[1], mb, dkh_kb(mb), T, Mc, Gp, p0);
         store_tile(acc[0], ma, p0, dx, ldx);
