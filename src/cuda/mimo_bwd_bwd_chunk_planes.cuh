@@ -1198,6 +1198,19 @@ struct StatesInFlight<ArgsCT<N, P, R, C, CL>> {
   static constexpr int u = N * (P / 2) / kPlanesThreads == 16 ? 16 : 8;
 };
 
+// K3's DMIMO_V partial with its v loads in batches of u (specialised kernels, where C is a
+// compile-time constant; 0: the rolled loop only). R P threads run it, each a chain of C steps
+// of one v element: the rolled loop (four steps per trip) waited out C / 4 L2 round trips in
+// series while the other warps waited at the chunk's last barrier (R1 C64: 16, on two warps).
+template <class AT>
+struct DmvBatch {
+  static constexpr int u = 0;
+};
+template <int N, int P, int R, int C, int CL>
+struct DmvBatch<ArgsCT<N, P, R, C, CL>> {
+  static constexpr int u = C < 16 ? C : 16;
+};
+
 // LayoutOf of the specialised kernels (the primary: at increment_planes_body).
 template <int N, int P, int R, int C, int CL>
 struct LayoutOf<ArgsCT<N, P, R, C, CL>> {
@@ -2417,9 +2430,33 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
       const float* px = dx + r * ldx + p;
       float acc = 0.f;
+      auto rolled = [&] {
 #pragma unroll 4  // (the default 16 adds ~150 instructions of remainder code for 16-step chunks)
-      for (int i = 0; i < L; ++i, px += R * ldx, pv += vs1)
-        acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
+        for (int i = 0; i < L; ++i, px += R * ldx, pv += vs1)
+          acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
+      };
+      if constexpr (DmvBatch<AT>::u > 0) {
+        // A whole chunk (L = C, compile-time): its v loads DmvBatch::u at a time, all issued
+        // before their sums (the rolled loop above waits out one L2 round trip per four steps:
+        // 16 in series at C = 64), then the same terms in the same order.
+        constexpr int U = DmvBatch<AT>::u;
+        if (L == C) {
+          BB_UNROLL
+          for (int i0 = 0; i0 < C; i0 += U) {
+            unsigned short u[U];
+            BB_UNROLL
+            for (int j = 0; j < U; ++j) u[j] = mimo::mb_ldg(pv + j * vs1);
+            BB_UNROLL
+            for (int j = 0; j < U; ++j, px += R * ldx)
+              acc += *px * f_of_bits(u[j], DTag<bf16_t>{});
+            pv += U * vs1;
+          }
+        } else {
+          rolled();
+        }
+      } else {
+        rolled();
+      }
       a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }
     // The next chunk's per-step inputs (their last readers, the DQ / DK loop, are behind the
