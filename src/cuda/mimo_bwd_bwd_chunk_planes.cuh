@@ -1211,6 +1211,38 @@ struct DmvBatch<ArgsCT<N, P, R, C, CL>> {
   static constexpr int u = C < 16 ? C : 16;
 };
 
+// K3's DQ / DK / DANGLES tasks (phase 3) with the next task's q / k pairs loaded a task ahead
+// (QkPre): where a thread has several tasks per chunk (tasks > 0: C (N / 4) a multiple of
+// 2 kPlanesThreads, i.e. N128 R2 C32 and R1 C64 in the grid), R <= 2 (the pair path, KR 4 u32
+// registers per rank) and the q / k layouts have pair loads at compile time (the contiguous
+// sets). Each task's loads waited on one L2 round trip in series with the task before.
+template <int KR>
+struct QkPre {
+  uint32_t v[KR][4];  // per rank: q (n, n + 1), q (half + n, ...), k (n, ...), k (half + n, ...)
+};
+// p->v[r][j] (an overload, not p->v: nvcc instantiates the discarded if-constexpr branch of the
+// nested generic lambda that reads it, with p a nullptr_t or another rank count's QkPre).
+template <int KR>
+BB_DEV uint32_t qk_pre(const QkPre<KR>* p, int r, int j) {
+  return p->v[r][j];
+}
+template <int KR, class Other>
+BB_DEV uint32_t qk_pre(Other, int, int) {
+  return 0;
+}
+template <class AT>
+struct Pf3 {
+  static constexpr int tasks = 0;
+};
+template <int N, int P, int R, int C, int CL>
+struct Pf3<ArgsCT<N, P, R, C, CL>> {
+  static constexpr int per = C * (N / 4);
+  static constexpr int tasks =
+      CL != kCtShape && R <= 2 && per % kPlanesThreads == 0 && per >= 2 * kPlanesThreads
+          ? per / kPlanesThreads
+          : 0;
+};
+
 // LayoutOf of the specialised kernels (the primary: at increment_planes_body).
 template <int N, int P, int R, int C, int CL>
 struct LayoutOf<ArgsCT<N, P, R, C, CL>> {
@@ -2181,7 +2213,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
                    (s0 + (tid >> lgH2)) * a.dangles.s[1] + n * das3;
     const int64_t dstep = int64_t{NT >> lgH2} * a.dangles.s[1];
     const bool rot0 = n < A, rot1 = n + 1 < A;
-    for (int e = tid; e < (L << lgH2); e += NT, qi += qstep, ki += kstep, pdang += dstep) {
+    // One task (step e >> lgH2, this thread's column pair) at offsets qi, ki, pdang. pre: the
+    // task's raw q / k pairs already loaded (QkPre<KR>, Pf3 below), or nullptr (loaded here).
+    auto task = [&](int e, int64_t qi, int64_t ki, float* pdang, auto pre) {
+      using Pre = decltype(pre);
       const int i = e >> lgH2;
       const float ts = s_ts[i];
       float sn0 = 0.f, cs0 = 1.f, sn1 = 0.f, cs1 = 1.f;
@@ -2271,8 +2306,17 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         BB_UNROLL
         for (int r = 0; r < KR; ++r, pq += qs2, pk += ks2, bq += N, bk += N) {
           float x1[NC], x2[NC], y1[NC], y2[NC], c1[NC], c2[NC], d1[NC], d2[NC];
-          ldg(pq, x1), ldg(pq + qhalf, x2), lds(bq, c1), lds(bq + half, c2);
-          ldg(pk, y1), ldg(pk + khalf, y2), lds(bk, d1), lds(bk + half, d2);
+          if constexpr (std::is_same_v<Pre, const QkPre<KR>*> && NC == 2) {
+            const float2 u1 = mimo::bf2_f(qk_pre<KR>(pre, r, 0)),
+                         u2 = mimo::bf2_f(qk_pre<KR>(pre, r, 1));
+            const float2 w1 = mimo::bf2_f(qk_pre<KR>(pre, r, 2)),
+                         w2 = mimo::bf2_f(qk_pre<KR>(pre, r, 3));
+            x1[0] = u1.x, x1[1] = u1.y, x2[0] = u2.x, x2[1] = u2.y;
+            y1[0] = w1.x, y1[1] = w1.y, y2[0] = w2.x, y2[1] = w2.y;
+          } else {
+            ldg(pq, x1), ldg(pq + qhalf, x2), ldg(pk, y1), ldg(pk + khalf, y2);
+          }
+          lds(bq, c1), lds(bq + half, c2), lds(bk, d1), lds(bk + half, d2);
           BB_UNROLL
           for (int c = 0; c < NC; ++c) {
             qb1[r][c] = x1[c] + c1[c], qb2[r][c] = x2[c] + c2[c];
@@ -2345,6 +2389,38 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       }
       if (rot0) pdang[0] = dang[0];
       if (rot1) pdang[das3] = dang[1];
+    };
+    if constexpr (Pf3<AT>::tasks > 0) {
+      // A whole chunk's tasks (L = C) with the next task's q / k pairs loaded before this one
+      // runs: one L2 round trip per thread for the whole loop instead of one per task.
+      constexpr int KR = AT::R, NTK = Pf3<AT>::tasks;
+      if (L == C) {
+        QkPre<KR> cur, nxt;
+        auto load_pre = [&](QkPre<KR>& d, int64_t qo, int64_t ko) {
+          const unsigned short* pq = reinterpret_cast<const unsigned short*>(a.q.p) + qo;
+          const unsigned short* pk = reinterpret_cast<const unsigned short*>(a.k.p) + ko;
+          BB_UNROLL
+          for (int r = 0; r < KR; ++r, pq += qs2, pk += ks2) {
+            d.v[r][0] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pq));
+            d.v[r][1] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pq + qhalf));
+            d.v[r][2] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pk));
+            d.v[r][3] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pk + khalf));
+          }
+        };
+        load_pre(cur, qi, ki);
+        BB_UNROLL
+        for (int t = 0; t < NTK; ++t, qi += qstep, ki += kstep, pdang += dstep) {
+          if (t + 1 < NTK) load_pre(nxt, qi + qstep, ki + kstep);
+          task(tid + t * NT, qi, ki, pdang, static_cast<const QkPre<KR>*>(&cur));
+          cur = nxt;
+        }
+      } else {
+        for (int e = tid; e < (L << lgH2); e += NT, qi += qstep, ki += kstep, pdang += dstep)
+          task(e, qi, ki, pdang, nullptr);
+      }
+    } else {
+      for (int e = tid; e < (L << lgH2); e += NT, qi += qstep, ki += kstep, pdang += dstep)
+        task(e, qi, ki, pdang, nullptr);
     }
     const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
     {
