@@ -155,7 +155,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
                      bb::chain_allowed_by_env();
   if (chain) {
     ASSERT_TRUE((launch_chain_ct<128, 64, 4, 16>(a) || launch_chain_ct<256, 64, 4, 8>(a) ||
-                 launch_chain_ct<64, 128, 4, 16>(a)))
+                 launch_chain_ct<64, 128, 4, 16>(a) || launch_chain_ct<128, 64, 2, 32>(a) ||
+                 launch_chain_ct<128, 64, 1, 64>(a)))
         << "no state chain kernel of this shape and layout in the test";
   } else if (pl.grid1 > 0 && pl.planes) {
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
@@ -166,7 +167,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, pl.grid1, sm, shape_only, true) ||
                    launch_planes_ct<256, 64, 4, 8>(a, pl.grid1, sm, shape_only, true) ||
                    launch_planes_ct<128, 64, 2, 32>(a, pl.grid1, sm, shape_only, true) ||
-                   launch_planes_ct<64, 128, 4, 16>(a, pl.grid1, sm, shape_only, true)))
+                   launch_planes_ct<64, 128, 4, 16>(a, pl.grid1, sm, shape_only, true) ||
+                   launch_planes_ct<128, 64, 1, 64>(a, pl.grid1, sm, shape_only, true)))
           << "no specialised K1 of this shape in the test";
     } else {
       launch(pl.grid1, bb::kIncPlanesThreads,
@@ -189,7 +191,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data(), shape_only) ||
                    launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data(), shape_only) ||
                    launch_planes_ct<128, 64, 2, 32>(a, grid, smem.data(), shape_only) ||
-                   launch_planes_ct<64, 128, 4, 16>(a, grid, smem.data(), shape_only)))
+                   launch_planes_ct<64, 128, 4, 16>(a, grid, smem.data(), shape_only) ||
+                   launch_planes_ct<128, 64, 1, 64>(a, grid, smem.data(), shape_only)))
           << "no specialised K3 of this shape in the test";
     } else {
       launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(a, smem.data()); });
@@ -573,6 +576,14 @@ TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
   Shape s4{1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF};
   s4.bench_dtypes = true;
   check_case(s4, 514, 2, K3::PlanesCTL);
+  // N128 R2 C32 and R1 C64: several DQ / DK tasks per thread, each task's q / k loaded a task
+  // ahead in whole chunks (bb::Pf3); the last chunk partial (the tasks one at a time).
+  Shape s5{1, 70, 1, 1, 128, 64, 2, 32, 4, kReduceO, true, 0, BF, BF};
+  s5.bench_dtypes = true;
+  check_case(s5, 515, 2, K3::PlanesCTL);
+  Shape s6{1, 140, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, BF, BF};
+  s6.bench_dtypes = true;
+  check_case(s6, 516, 2, K3::PlanesCTL);
 }
 
 // The same for the combined backward's operand set (bb::ArgsCT<.., kCtCombined>: fp32 states,
@@ -590,6 +601,9 @@ TEST(MimoBwdBwdEmulated, PlanesKernelCombinedLayoutGivesIdenticalBits) {
   Shape s3{1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF};
   s3.bench_dtypes = s3.combined = true;
   check_case(s3, 523, 2, K3::PlanesCTL);
+  Shape s4{1, 140, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, BF, BF};
+  s4.bench_dtypes = s4.combined = true;
+  check_case(s4, 524, 2, K3::PlanesCTL);
 }
 
 // The planes kernel walks several chunks per CTA (the device launches one CTA per SM; here 3)
