@@ -1202,6 +1202,8 @@ struct StatesInFlight<ArgsCT<N, P, R, C, CL>> {
 // compile-time constant; 0: the rolled loop only). R P threads run it, each a chain of C steps
 // of one v element: the rolled loop (four steps per trip) waited out C / 4 L2 round trips in
 // series while the other warps waited at the chunk's last barrier (R1 C64: 16, on two warps).
+// Measured (H100, session 28): K3 -11.4% / -14.1% at R1 C64 (bwd_bwd / combined), -4.0 /
+// -5.4% at R2 C32, -0.5 to -3.3% at the C16 shapes, 0 to -2.2% at C8.
 template <class AT>
 struct DmvBatch {
   static constexpr int u = 0;
@@ -1216,6 +1218,8 @@ struct DmvBatch<ArgsCT<N, P, R, C, CL>> {
 // 2 kPlanesThreads, i.e. N128 R2 C32 and R1 C64 in the grid), R <= 2 (the pair path, KR 4 u32
 // registers per rank) and the q / k layouts have pair loads at compile time (the contiguous
 // sets). Each task's loads waited on one L2 round trip in series with the task before.
+// Measured (H100, session 28, on top of DmvBatch): K3 -1.1% / -0.5% at R2 C32 (bwd_bwd /
+// combined), +0.3% / 0.0% at R1 C64 (presumably hidden there by the other warps already).
 template <int KR>
 struct QkPre {
   uint32_t v[KR][4];  // per rank: q (n, n + 1), q (half + n, ...), k (n, ...), k (half + n, ...)
@@ -2412,7 +2416,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         for (int t = 0; t < NTK; ++t, qi += qstep, ki += kstep, pdang += dstep) {
           if (t + 1 < NTK) load_pre(nxt, qi + qstep, ki + kstep);
           task(tid + t * NT, qi, ki, pdang, static_cast<const QkPre<KR>*>(&cur));
-          cur = nxt;
+          if (t + 1 < NTK) cur = nxt;
         }
       } else {
         for (int e = tid; e < (L << lgH2); e += NT, qi += qstep, ki += kstep, pdang += dstep)
@@ -2513,8 +2517,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       };
       if constexpr (DmvBatch<AT>::u > 0) {
         // A whole chunk (L = C, compile-time): its v loads DmvBatch::u at a time, all issued
-        // before their sums (the rolled loop above waits out one L2 round trip per four steps:
-        // 16 in series at C = 64), then the same terms in the same order.
+        // before their sums, then the same terms in the same order.
         constexpr int U = DmvBatch<AT>::u;
         if (L == C) {
           BB_UNROLL
