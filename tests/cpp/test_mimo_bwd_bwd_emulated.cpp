@@ -552,6 +552,14 @@ TEST(MimoBwdBwdEmulated, PlanesKernelSpecialisedGivesIdenticalBits) {
              K3::PlanesCT);
 }
 
+// check_case of the K3 specialised to the contiguous layouts, with the benchmark's operand set
+// (combined: the combined backward's), over max_slots CTAs.
+void check_contiguous(Shape s, bool combined, uint64_t seed, int64_t max_slots) {
+  s.bench_dtypes = true;
+  s.combined = combined;
+  check_case(s, seed, max_slots, K3::PlanesCTL);
+}
+
 // The planes K3 specialised to the shape and to the contiguous layouts and dtypes of the
 // benchmark (bb::ArgsCT<.., kCtBwdBwd>: compile-time dtypes, strides and flags, 32-bit offsets)
 // against the generic one and the shape-only one: the same bits. Batches and heads (the
@@ -560,30 +568,18 @@ TEST(MimoBwdBwdEmulated, PlanesKernelSpecialisedGivesIdenticalBits) {
 // operands), the others K1 and K2: the same bits there too.
 TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
   const IoType BF = IoType::BF16;
-  Shape s{2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
-  s.bench_dtypes = true;
-  check_case(s, 511, 2, K3::PlanesCTL);
-  Shape s2{1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF};
-  s2.bench_dtypes = true;
-  check_case(s2, 512, 3, K3::PlanesCTL);
+  check_contiguous({2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF}, false, 511, 2);
+  check_contiguous({1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF}, false, 512, 3);
   // Seven chunks, the last partial: the state chain's two register sets and plane buffers
   // alternate over more chunks than its pipeline is deep.
-  Shape s3{1, 100, 1, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
-  s3.bench_dtypes = true;
-  check_case(s3, 513, 2, K3::PlanesCTL);
+  check_contiguous({1, 100, 1, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF}, false, 513, 2);
   // N64 P128 R4 C16: a shape without PairTiles whose copy pairs its phase 1 and dx tiles
   // (bb::PairKQ, bb::PairDx; N128 R4 C16 above has PairKQ only, N256 C8 neither).
-  Shape s4{1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF};
-  s4.bench_dtypes = true;
-  check_case(s4, 514, 2, K3::PlanesCTL);
+  check_contiguous({1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF}, false, 514, 2);
   // N128 R2 C32 and R1 C64: several DQ / DK tasks per thread, each task's q / k loaded a task
   // ahead in whole chunks (bb::Pf3); the last chunk partial (the tasks one at a time).
-  Shape s5{1, 70, 1, 1, 128, 64, 2, 32, 4, kReduceO, true, 0, BF, BF};
-  s5.bench_dtypes = true;
-  check_case(s5, 515, 2, K3::PlanesCTL);
-  Shape s6{1, 140, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, BF, BF};
-  s6.bench_dtypes = true;
-  check_case(s6, 516, 2, K3::PlanesCTL);
+  check_contiguous({1, 70, 1, 1, 128, 64, 2, 32, 4, kReduceO, true, 0, BF, BF}, false, 515, 2);
+  check_contiguous({1, 140, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, BF, BF}, false, 516, 2);
 }
 
 // The same for the combined backward's operand set (bb::ArgsCT<.., kCtCombined>: fp32 states,
@@ -592,18 +588,10 @@ TEST(MimoBwdBwdEmulated, PlanesKernelContiguousLayoutGivesIdenticalBits) {
 // The first run takes the state chain kernel (the gated dPhiO rows) for K1 + K2, as above.
 TEST(MimoBwdBwdEmulated, PlanesKernelCombinedLayoutGivesIdenticalBits) {
   const IoType BF = IoType::BF16;
-  Shape s{2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF};
-  s.bench_dtypes = s.combined = true;
-  check_case(s, 521, 2, K3::PlanesCTL);
-  Shape s2{1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF};
-  s2.bench_dtypes = s2.combined = true;
-  check_case(s2, 522, 3, K3::PlanesCTL);
-  Shape s3{1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF};
-  s3.bench_dtypes = s3.combined = true;
-  check_case(s3, 523, 2, K3::PlanesCTL);
-  Shape s4{1, 140, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, BF, BF};
-  s4.bench_dtypes = s4.combined = true;
-  check_case(s4, 524, 2, K3::PlanesCTL);
+  check_contiguous({2, 37, 2, 1, 128, 64, 4, 16, 4, kReduceO, true, 0, BF, BF}, true, 521, 2);
+  check_contiguous({1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF}, true, 522, 3);
+  check_contiguous({1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF}, true, 523, 2);
+  check_contiguous({1, 140, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, BF, BF}, true, 524, 2);
 }
 
 // The planes kernel walks several chunks per CTA (the device launches one CTA per SM; here 3)
