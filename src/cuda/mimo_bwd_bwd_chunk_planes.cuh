@@ -2394,11 +2394,13 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       if (rot0) pdang[0] = dang[0];
       if (rot1) pdang[das3] = dang[1];
     };
+    bool tasks_done = false;
     if constexpr (Pf3<AT>::tasks > 0) {
       // A whole chunk's tasks (L = C) with the next task's q / k pairs loaded before this one
       // runs: one L2 round trip per thread for the whole loop instead of one per task.
       constexpr int KR = AT::R, NTK = Pf3<AT>::tasks;
       if (L == C) {
+        tasks_done = true;
         QkPre<KR> cur, nxt;
         auto load_pre = [&](QkPre<KR>& d, int64_t qo, int64_t ko) {
           const unsigned short* pq = reinterpret_cast<const unsigned short*>(a.q.p) + qo;
@@ -2418,14 +2420,11 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           task(tid + t * NT, qi, ki, pdang, static_cast<const QkPre<KR>*>(&cur));
           if (t + 1 < NTK) cur = nxt;
         }
-      } else {
-        for (int e = tid; e < (L << lgH2); e += NT, qi += qstep, ki += kstep, pdang += dstep)
-          task(e, qi, ki, pdang, nullptr);
       }
-    } else {
+    }
+    if (!tasks_done)
       for (int e = tid; e < (L << lgH2); e += NT, qi += qstep, ki += kstep, pdang += dstep)
         task(e, qi, ki, pdang, nullptr);
-    }
     const int64_t v0 = int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2], vs = a.v.s[3];
     {
       // This thread's column p is fixed (NT is a multiple of P): its mimo_v[h][r][p] once.
