@@ -1198,6 +1198,25 @@ struct StatesInFlight<ArgsCT<N, P, R, C, CL>> {
   static constexpr int u = N * (P / 2) / kPlanesThreads == 16 ? 16 : 8;
 };
 
+// K3's dS rows (phase 2, dkh: the dS planes from the workspace) in flight per thread. The loop
+// starts right after a barrier, so its L2 round trips in series are waited out by every warp:
+// four rows per trip made that four trips at N256 P64 and N128 P128 (16 rows per thread), two
+// at N128 P64 and N64 P128 (8). All of a thread's rows where that does not spill (ptxas: N256
+// C8, N128 P128 C8, R1 C64 and N64 P128 0 bytes in the bwd_bwd and combined copies; N128 P64
+// R4 C16, R2 C32 and R8 C8 spilled 20-36 bytes with eight, so they keep four). Same loads,
+// values and order: the same bits.
+template <class AT>
+struct DsInFlight {
+  static constexpr int u = 4;
+};
+template <int N, int P, int R, int C, int CL>
+struct DsInFlight<ArgsCT<N, P, R, C, CL>> {
+  static constexpr int rows = N * (P / 2) / kPlanesThreads;
+  static constexpr bool all = (N == 256 && P == 64 && C == 8) || (N == 128 && P == 128 && C == 8) ||
+                              (N == 128 && P == 64 && R == 1 && C == 64) || (N == 64 && P == 128);
+  static constexpr int u = all && rows > 4 ? rows : 4;
+};
+
 // K3's DMIMO_V partial with its v loads in batches of u (specialised kernels, where C is a
 // compile-time constant; 0: the rolled loop only). R P threads run it, each a chain of C steps
 // of one v element: the rolled loop (four steps per trip) waited out C / 4 L2 round trips in
@@ -1959,7 +1978,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     bb_sync();  // st and mc are rewritten next
 
     // ---- dkh. dS_c replaces states[c]; M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)] (j > i).
-    pair_rows_lin<4, NT>(
+    pair_rows_lin<DsInFlight<AT>::u, NT>(
         N, lgP, int64_t{P},
         [&](int, int64_t off, int pc) { return *reinterpret_cast<const float2*>(dS + off + pc); },
         [&](int n, int64_t, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
