@@ -2528,10 +2528,20 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
       const float* px = dx + r * ldx + p;
       float acc = 0.f;
-      auto rolled = [&] {
-#pragma unroll 4  // (the default 16 adds ~150 instructions of remainder code for 16-step chunks)
-        for (int i = 0; i < L; ++i, px += R * ldx, pv += vs1)
-          acc += *px * f_of_bits(mimo::mb_ldg(pv), DTag<bf16_t>{});
+      // Any chunk length (the generic kernel; the specialised kernels' partial chunks): the v
+      // loads eight at a time, predicated, issued before their sums (the rolled loop's four
+      // per trip waited an L2 round trip per trip); the same terms in the same order.
+      auto batched = [&] {
+        constexpr int U = 8;
+        for (int i0 = 0; i0 < L; i0 += U) {
+          unsigned short u[U];
+          BB_UNROLL
+          for (int j = 0; j < U; ++j) u[j] = i0 + j < L ? mimo::mb_ldg(pv + j * vs1) : 0;
+          BB_UNROLL
+          for (int j = 0; j < U; ++j, px += R * ldx)
+            if (i0 + j < L) acc += *px * f_of_bits(u[j], DTag<bf16_t>{});
+          pv += U * vs1;
+        }
       };
       if constexpr (DmvBatch<AT>::u > 0) {
         // A whole chunk (L = C, compile-time): its v loads DmvBatch::u at a time, all issued
@@ -2549,10 +2559,10 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
             pv += U * vs1;
           }
         } else {
-          rolled();
+          batched();
         }
       } else {
-        rolled();
+        batched();
       }
       a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }
