@@ -1203,9 +1203,10 @@ struct StatesInFlight<ArgsCT<N, P, R, C, CL>> {
 // four rows per trip made that four trips at N256 P64 and N128 P128 (16 rows per thread), two
 // at N128 P64 and N64 P128 (8). All of a thread's rows where that does not spill (ptxas: N256
 // C8, N128 P128 C8, R1 C64 and N64 P128 0 bytes in the bwd_bwd and combined copies; N128 P64
-// R4 C16, R2 C32 and R8 C8 spilled 20-36 bytes with eight, so they keep four). Same loads,
-// values and order: the same bits. Measured (H100, session 29, K3 bwd_bwd / combined): N128
-// P128 C8 -2.1 / -2.6%, N256 C8 -0.7 / -1.0%, N64 P128 -0.4 / -0.7%, R1 C64 -0.3 / -0.2%.
+// R4 C16, R2 C32 and R8 C8 spilled 20-36 bytes with eight in session 28, so they keep four).
+// Same loads, values and order: the same bits. Measured (H100, session 29, K3 bwd_bwd /
+// combined): N128 P128 C8 -2.1 / -2.6%, N256 C8 -0.7 / -1.0%, N64 P128 -0.4 / -0.7%, R1 C64
+// -0.3 / -0.2%.
 template <class AT>
 struct DsInFlight {
   static constexpr int u = 4;
@@ -1218,10 +1219,11 @@ struct DsInFlight<ArgsCT<N, P, R, C, CL>> {
   static constexpr int u = all && rows > 4 ? rows : 4;
 };
 
-// K3's DMIMO_V partial with its v loads in batches of u (specialised kernels, where C is a
-// compile-time constant; 0: the rolled loop only). R P threads run it, each a chain of C steps
-// of one v element: the rolled loop (four steps per trip) waited out C / 4 L2 round trips in
-// series while the other warps waited at the chunk's last barrier (R1 C64: 16, on two warps).
+// K3's DMIMO_V partial with its v loads in batches of u in whole chunks (specialised kernels,
+// where C is a compile-time constant; 0: the predicated batches of eight only). R P threads
+// run it, each a chain of C steps of one v element: the rolled loop (four steps per trip)
+// waited out C / 4 L2 round trips in series while the other warps waited at the chunk's last
+// barrier (R1 C64: 16, on two warps).
 // Measured (H100, session 28): K3 -11.4% / -14.1% at R1 C64 (bwd_bwd / combined), -4.0 /
 // -5.4% at R2 C32, -0.5 to -3.3% at the C16 shapes, 0 to -2.2% at C8.
 template <class AT>
@@ -2529,44 +2531,34 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           reinterpret_cast<const unsigned short*>(a.v.p) + v0 + int64_t{s0} * vs1 + p * vs;
       const float* px = dx + r * ldx + p;
       float acc = 0.f;
-      // Any chunk length (the generic kernel; the specialised kernels' partial chunks): the v
-      // loads eight at a time, predicated, issued before their sums (the rolled loop's four
-      // per trip waited an L2 round trip per trip); the same terms in the same order.
-      // Measured (H100, session 29, generic K3 via MAMBA3_BB_SPECIALIZED=0): N128 R4 C16
-      // -1.3%, R1 C64 -0.6%, R2 C32 +0.2%.
-      auto batched = [&] {
-        constexpr int U = 8;
-        for (int i0 = 0; i0 < L; i0 += U) {
-          unsigned short u[U];
-          BB_UNROLL
-          for (int j = 0; j < U; ++j) u[j] = i0 + j < L ? mimo::mb_ldg(pv + j * vs1) : 0;
-          BB_UNROLL
-          for (int j = 0; j < U; ++j, px += R * ldx)
-            if (i0 + j < L) acc += *px * f_of_bits(u[j], DTag<bf16_t>{});
-          pv += U * vs1;
-        }
+      // One batch: the v loads of steps i0 .. i0 + U - 1 (those below n) issued before their
+      // terms, then the terms in step order (the same terms and order as a step-by-step loop).
+      auto batch = [&](auto u_tag, int i0, int n) {
+        constexpr int U = decltype(u_tag)::value;
+        unsigned short u[U];
+        BB_UNROLL
+        for (int j = 0; j < U; ++j) u[j] = i0 + j < n ? mimo::mb_ldg(pv + j * vs1) : 0;
+        BB_UNROLL
+        for (int j = 0; j < U; ++j, px += R * ldx)
+          if (i0 + j < n) acc += *px * f_of_bits(u[j], DTag<bf16_t>{});
+        pv += U * vs1;
       };
+      bool whole_done = false;
       if constexpr (DmvBatch<AT>::u > 0) {
-        // A whole chunk (L = C, compile-time): its v loads DmvBatch::u at a time, all issued
-        // before their sums, then the same terms in the same order.
+        // A whole chunk (L = C, compile-time): DmvBatch::u loads per batch, unpredicated.
         constexpr int U = DmvBatch<AT>::u;
         if (L == C) {
           BB_UNROLL
-          for (int i0 = 0; i0 < C; i0 += U) {
-            unsigned short u[U];
-            BB_UNROLL
-            for (int j = 0; j < U; ++j) u[j] = mimo::mb_ldg(pv + j * vs1);
-            BB_UNROLL
-            for (int j = 0; j < U; ++j, px += R * ldx)
-              acc += *px * f_of_bits(u[j], DTag<bf16_t>{});
-            pv += U * vs1;
-          }
-        } else {
-          batched();
+          for (int i0 = 0; i0 < C; i0 += U) batch(std::integral_constant<int, U>{}, i0, C);
+          whole_done = true;
         }
-      } else {
-        batched();
       }
+      // Any chunk length (the generic kernel; the specialised kernels' partial chunks): eight
+      // loads per batch, predicated (the rolled loop before, four steps per trip, waited an L2
+      // round trip per trip). Measured (H100, session 29, generic K3 via
+      // MAMBA3_BB_SPECIALIZED=0): N128 R4 C16 -1.3%, R1 C64 -0.6%, R2 C32 +0.2%.
+      if (!whole_done)
+        for (int i0 = 0; i0 < L; i0 += 8) batch(std::integral_constant<int, 8>{}, i0, L);
       a.ws_part[item * (static_cast<int64_t>(R) * P) + e] = acc;
     }
     // The next chunk's per-step inputs (their last readers, the DQ / DK loop, are behind the
