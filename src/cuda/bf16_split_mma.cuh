@@ -150,6 +150,43 @@ MB_DEV void mb_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0
 inline void mb_prefetch_l2(const void*) {}
 #endif
 
+// Bulk asynchronous copies from shared to global memory (sm_90's bulk copy engine, what a TMA
+// store uses without a tensor map): bytes (a multiple of 16, both addresses 16-byte aligned)
+// from s to g, as a plain copy (bulk_s2g) or added into g's floats at L2 (bulk_add_s2g: the
+// L2's fp32 add, round to nearest; subnormal sums flush to zero). Each is in the calling
+// thread's next bulk group (bulk_commit); bulk_wait_read waits until the thread's groups have
+// read their shared memory, bulk_wait until their writes are done. The shared-memory writes a
+// copy reads must be ordered before it by fence_async_smem (each writing thread) and a barrier.
+// Host (the emulator): done at once, in order.
+#if defined(__CUDA_ARCH__)
+MB_DEV void bulk_s2g(float* g, const float* s, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(g),
+               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(s))), "r"(bytes)
+               : "memory");
+}
+MB_DEV void bulk_add_s2g(float* g, const float* s, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(g),
+               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(s))), "r"(bytes)
+               : "memory");
+}
+MB_DEV void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+MB_DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+MB_DEV void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+MB_DEV void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// A float4 load through L2 only (not L1): for data the bulk copies wrote.
+MB_DEV float4 ld_cg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+#else
+inline float4 ld_cg4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+inline void bulk_s2g(float* g, const float* s, uint32_t bytes) { std::memcpy(g, s, bytes); }
+inline void bulk_add_s2g(float* g, const float* s, uint32_t bytes) {
+  for (uint32_t i = 0; i < bytes / 4; ++i) g[i] += s[i];
+}
+inline void bulk_commit() {}
+inline void bulk_wait_read() {}
+inline void bulk_wait() {}
+inline void fence_async_smem() {}
+#endif
+
 // L2 prefetches of the cnt elements p[off + j stride] (bytes es each): one request per 128-byte
 // line when the elements are closer than a line, else one per element.
 MB_DEV void mb_prefetch_row(const unsigned char* p, int es, int64_t off, int64_t stride, int cnt) {

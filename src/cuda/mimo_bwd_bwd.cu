@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
@@ -81,7 +82,9 @@ PlanesKernel generic_k3() {
 }
 
 // The kernels bb::k3_kind picks, K1 of the same kind (MAMBA3_BB_SPECIALIZED=0 forces the
-// generic ones for both; K1 is generic at N16, see bb::ct_k1_entry).
+// generic ones for both; K1 is generic at N16, see bb::ct_k1_entry). The K3 of the combined
+// backward's operands does the q / k group sums (Args::qk_group): only when asked; else that
+// shape's shape-only K3.
 PlanesKernels planes_kernels(const Args& a) {
   PlanesKernels pk{generic_k1(), generic_k3()}, ct;
   switch (bb::k3_kind(a)) {
@@ -94,7 +97,7 @@ PlanesKernels planes_kernels(const Args& a) {
       ct = {bb::ct_k1_bwd_bwd(a), bb::ct_k3_bwd_bwd(a)};
       break;
     case bb::K3Kind::kShapeLayoutCombined:
-      ct = {bb::ct_k1_combined(a), bb::ct_k3_combined(a)};
+      ct = {bb::ct_k1_combined(a), a.qk_group ? bb::ct_k3_combined(a) : bb::ct_k3_shape(a)};
       break;
   }
   if (ct.k1.kernel) pk.k1 = ct.k1;
@@ -116,12 +119,22 @@ bb::ChainKernel chain_kernel(const Args& a, const bb::Plan& pl) {
   }
 }
 
+bool qk_group_allowed_by_env() {
+  const char* e = std::getenv("MAMBA3_CB_QK_GROUP");
+  return e == nullptr || e[0] != '0';
+}
+
 }  // namespace
 
 size_t mimo_bwd_bwd_workspace_bytes(const MimoBwdBwdParams& p) { return bb::make_plan(p).bytes; }
 
 void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_bytes,
                   void* stream) {
+  mimo_bwd_bwd(p, workspace, workspace_bytes, stream, nullptr);
+}
+
+bool mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_bytes,
+                  void* stream, const QkGroupOut* group) {
   const bb::Plan pl = bb::make_plan(p);
   MAMBA3_CHECK_ARG(workspace != nullptr && workspace_bytes >= pl.bytes, "workspace: ",
                    workspace_bytes, " bytes at ", workspace, " given, mimo_bwd_bwd needs ",
@@ -134,7 +147,9 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
     check_element_aligned(*t);
   DeviceGuard guard(p.device_id);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const Args a = bb::make_args(p, pl, workspace);
+  Args a = bb::make_args(p, pl, workspace);
+  if (group != nullptr && qk_group_allowed_by_env())
+    bb::set_qk_group(a, group->dq, group->dk, group->part);
   const DeviceProps& dev = device_props(p.device_id);
   // Checked before anything is launched (the plan, like the workspace query, knows no device).
   if (pl.planes && static_cast<int64_t>(dev.smem_optin) < pl.ply.bytes)
@@ -169,6 +184,7 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
     bb_scan_kernel<<<static_cast<unsigned>(pl.grid2), kThreads, 0, st>>>(a);
     check_launch("mimo_bwd_bwd: dstate scan kernel");
   }
+  bool grouped = false;  // K3 did the q / k group sums
   if (pl.planes) {
     const int smem = static_cast<int>(pl.ply.bytes);
     // One CTA per SM (its shared memory), grid-stride over the chunks.
@@ -177,12 +193,15 @@ void mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
              "mimo_bwd_bwd: cudaFuncSetAttribute(planes chunk kernel)");
     pk.k3.launch(a, static_cast<unsigned>(grid), bb::kPlanesThreads, smem, st);
     check_launch("mimo_bwd_bwd: planes chunk kernel");
+    grouped = a.qk_group && bb::k3_kind(a) == bb::K3Kind::kShapeLayoutCombined &&
+              pk.k3.kernel == bb::ct_k3_combined(a).kernel;
   } else {
     bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);
     check_launch("mimo_bwd_bwd: chunk kernel");
   }
   bb_reduce_kernel<<<static_cast<unsigned>(pl.grid4), kThreads, 0, st>>>(a);
   check_launch("mimo_bwd_bwd: partials reduction kernel");
+  return grouped;
 }
 
 }  // namespace mamba3::cuda

@@ -980,6 +980,9 @@ struct ArgsLayoutCT : ArgsShapeCT<N_, P_, R_, C_> {
   std::conditional_t<GATE != 0, CView<kBF16, 0, 0, P_, 1>, View> z;       // [B,S,H,P]
   std::conditional_t<GATE != 0, CView<kF32, R_ * P_, P_, 1>, View> mimo_z;  // [H,R,P]
   static constexpr int layout = 0, gate = GATE, bf16_z_pairs = GATE;
+  // The combined backward's copy sums dq / dk over the q / k groups itself (Args::qk_group):
+  // chunk_planes_body's QkGroup schedule and stores.
+  static constexpr int kQkGroup = GATE;
   static constexpr int vec_q = 2, vec_k = 2, vec_v = 1, vec_dout = 1, vec_states = 1,
                        vec_dq = 2, vec_dk = 2;
 
@@ -1663,12 +1666,45 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   };
 
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
-  if (bb_bid() < total) {
-    stage_chunk(bb_bid());
-    if (raw_on) load_raw(bb_bid());
+  // The order a CTA takes its items (item = (b H + h) nch + c) in, and the next one after `item`
+  // (-1: none). Else grid-stride over the items. QkGroup (AT::kQkGroup): grid-stride over the
+  // (b, group, chunk) triples, gi = (b G + g) nch + c, each one's heads in ascending order one
+  // after the other, so that the CTA sums dq / dk over the group's heads as it goes (the
+  // combined backward's cb_qk pass, folded into the DQ / DK stores; same order, same bits).
+  // bh = b H + h = (b G + g) HG + hh: (b G + g) = bh / HG.
+  constexpr bool QkGroup = AT::kQkGroup != 0;
+  // (Without QkGroup: the grid-stride expressions as they were, so that those copies' code does
+  // not change: a next-item value kept live across phase 3 cost spills there.)
+  auto first_item = [&]() -> int64_t {
+    if constexpr (QkGroup) {
+      const int64_t ngi = static_cast<int64_t>(a.B) * a.G * a.nch;
+      if (bb_bid() >= ngi) return -1;
+      const int gi = static_cast<int>(bb_bid()), bg = a.div_nch.div(gi), c = gi - bg * a.nch;
+      return static_cast<int64_t>(bg) * a.HG * a.nch + c;
+    } else {
+      return bb_bid();
+    }
+  };
+  auto next_of = [&](int64_t item) -> int64_t {
+    if constexpr (QkGroup) {
+      const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
+      const int bg = a.div_HG.div(bh), hh = bh - bg * a.HG;
+      if (hh + 1 < a.HG) return item + a.nch;
+      const int64_t gi = static_cast<int64_t>(bg) * a.nch + c + bb_nblocks();
+      if (gi >= static_cast<int64_t>(a.B) * a.G * a.nch) return -1;
+      const int g2 = static_cast<int>(gi), bg2 = a.div_nch.div(g2), c2 = g2 - bg2 * a.nch;
+      return static_cast<int64_t>(bg2) * a.HG * a.nch + c2;
+    } else {
+      return item + bb_nblocks();
+    }
+  };
+  auto valid = [&](int64_t item) { return QkGroup ? item >= 0 : item < total; };
+  if (valid(first_item())) {
+    stage_chunk(first_item());
+    if (raw_on) load_raw(first_item());
   }
   bb_sync();
-  for (int64_t item = bb_bid(); item < total; item += bb_nblocks()) {
+  for (int64_t item = first_item(); valid(item); item = next_of(item)) {
     // 32-bit (B H nch < 2^31: make_plan) divisions by multiply-high (Args::div_*).
     const int it = static_cast<int>(item), bh = a.div_nch.div(it), c = it - bh * a.nch;
     const int b = a.div_H.div(bh), h = bh - b * a.H, grp = a.div_HG.div(h);
@@ -2207,7 +2243,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       }
     }
     // Here, not earlier: the accumulators are dead (no registers to spare in phase 2).
-    if (a.prefetch && item + bb_nblocks() < total) prefetch_item(a, item + bb_nblocks());
+    if (a.prefetch && valid(next_of(item))) prefetch_item(a, next_of(item));
     bb_sync();
     // DQ, DK, DANGLES: one task per step and two adjacent rotation pairs (n, half + n), (n + 1,
     // half + n + 1) (n even; half = N / 2 is, N being a power of two >= 16 on this path) over
@@ -2479,14 +2515,21 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         st(a.dv, dv0 + (s0 + i) * ds1, acc);
       }
     }
+    if constexpr (QkGroup) {
+      // This thread's bulk copies of its previous item complete (a last head below reads the
+      // sums they wrote; the next copy to the same rows adds after them), and its writes to
+      // dqh / dkh ordered before this item's copies, which read them.
+      mimo::bulk_wait();
+      mimo::fence_async_smem();
+    }
     bb_sync();  // DQ, DK complete in dqh, dkh
     // The next chunk's phase-0 rows (their registers are free from here: see load_raw).
-    if (raw_on && item + bb_nblocks() < total) load_raw(item + bb_nblocks());
+    if (raw_on && valid(next_of(item))) load_raw(next_of(item));
     // The next chunk's staged inputs, loaded here (SC::on) and stored after the DQ / DK stores
     // and the DMIMO_V partial: their latency under those two.
     StageRaw next_raw;
     if constexpr (SC::on)
-      if (item + bb_nblocks() < total) stage_load(item + bb_nblocks(), next_raw);
+      if (valid(next_of(item))) stage_load(next_of(item), next_raw);
     // Their valid rows (row = i R + r: output row (s0 + i) R + r = s0 R + row) to dq and dk in
     // one loop, four columns per task (one float4 read per source, one store per quad where the
     // layout allows: Args::vec_dq, vec_dk), the output dtype dispatched once (dq and dk share
@@ -2504,7 +2547,123 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         store4(vk, ok, snk, a.vec_dk, *reinterpret_cast<const float4*>(dkh + e));
       }
     };
-    if (a.dq.dt == a.dk.dt) {
+    if constexpr (QkGroup) {
+      // The group sums (AT::kQkGroup): the running sums of this (b, group, chunk) live in the
+      // per-head dq / dk rows of the group's first head (fp32, L2-resident). Every head but the
+      // last hands its rows to the bulk copy engine (one row of N floats per thread of the first
+      // 2 TL): the first head's copied as they are, the next ones' added at L2 (each thread's
+      // previous copy complete before it issues the next: bulk_wait before the barrier above,
+      // so the adds keep head order). The last head loads the sums (L2), adds its rows and
+      // rounds them into the caller's dq / dk [B, S, R, G, N]. The same values and order as
+      // cb_qk: x_h0 + x_h1 + ... (subnormal sums aside: the L2's add flushes them). Why the
+      // bulk engine: the same running sums through the threads' loads and stores (a 2 T N fp32
+      // read and write per head) made K3 5-8% slower (H100, session 30); the engine reads the
+      // rows from shared memory while the threads go on.
+      const int hh = h - grp * a.HG;
+      if (hh + 1 < a.HG) {
+        if (tid < 2 * TL) {
+          const int w = tid >= TL ? 1 : 0, row = tid - w * TL;
+          const auto& v = w ? a.dk : a.dq;
+          float* gp = reinterpret_cast<float*>(v.p) +
+                      (int64_t{b} * v.s[0] + int64_t{h - hh} * v.s[2] +
+                       (int64_t{s0} * R + row) * v.s[1]);
+          const float* sp = (w ? dkh : dqh) + row * ldq;
+          if (hh == 0)
+            mimo::bulk_s2g(gp, sp, N * 4);
+          else
+            mimo::bulk_add_s2g(gp, sp, N * 4);
+          mimo::bulk_commit();
+        }
+      } else {
+        const int lgQ = lgN - 2, nc = (tid & ((1 << lgQ) - 1)) * 4, rs = NT >> lgQ;
+        constexpr int KQ = (AT::C * AT::R * (AT::N / 4) + NT - 1) / NT;  // rows per thread, at most
+        const auto &vq = a.dq, &vk = a.dk;
+        const int64_t sq = vq.s[1], sk = vk.s[1];
+        const int64_t row0 = int64_t{s0} * R + (tid >> lgQ);
+        const float* aq = reinterpret_cast<const float*>(vq.p) +
+                          (int64_t{b} * vq.s[0] + int64_t{h - hh} * vq.s[2] + row0 * sq + nc);
+        const float* ak = reinterpret_cast<const float*>(vk.p) +
+                          (int64_t{b} * vk.s[0] + int64_t{h - hh} * vk.s[2] + row0 * sk + nc);
+        // Every load before any add (the L2 round trips overlap).
+        float4 yq[KQ], yk[KQ];
+        BB_UNROLL
+        for (int j = 0; j < KQ; ++j) {
+          const int row = (tid >> lgQ) + j * rs;
+          yq[j] = yk[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (hh > 0 && row < TL) {
+            yq[j] = mimo::ld_cg4(aq + j * rs * sq);
+            yk[j] = mimo::ld_cg4(ak + j * rs * sk);
+          }
+        }
+        auto add4 = [](float4 y, float4 x) {
+          return make_float4(y.x + x.x, y.y + x.y, y.z + x.z, y.w + x.w);
+        };
+        BB_UNROLL
+        for (int j = 0; j < KQ; ++j) {
+          const int row = (tid >> lgQ) + j * rs;
+          if (row < TL) {
+            const int e = row * ldq + nc;
+            const float4 xq = *reinterpret_cast<const float4*>(dqh + e);
+            const float4 xk = *reinterpret_cast<const float4*>(dkh + e);
+            yq[j] = hh > 0 ? add4(yq[j], xq) : xq;
+            yk[j] = hh > 0 ? add4(yk[j], xk) : xk;
+          }
+        }
+        // Row i R + r of the chunk is (t, r) = (s0 + i, r); a thread's rows share r (rs is a
+        // multiple of R) and step by rs / R steps.
+        const View &oq = a.dq_grp, &ok = a.dk_grp;
+        const int r = (tid >> lgQ) & (R - 1);
+        const int64_t t0 = s0 + ((tid >> lgQ) >> lgR), ts = rs >> lgR;
+        const int64_t bq = b * oq.s[0] + t0 * oq.s[1] + r * oq.s[2] + grp * oq.s[3] + nc * oq.s[4];
+        const int64_t bk = b * ok.s[0] + t0 * ok.s[1] + r * ok.s[2] + grp * ok.s[3] + nc * ok.s[4];
+        auto out = [&](auto store4) {
+          BB_UNROLL
+          for (int j = 0; j < KQ; ++j) {
+            const int row = (tid >> lgQ) + j * rs;
+            if (row < TL) {
+              store4(oq, bq + j * ts * oq.s[1], oq.s[4], yq[j]);
+              store4(ok, bk + j * ts * ok.s[1], ok.s[4], yk[j]);
+            }
+          }
+        };
+        if (oq.dt == ok.dt) {
+          with_dtype(oq.dt, [&](auto otag) {
+            using TO = typename decltype(otag)::type;
+            out([&](const View& v, int64_t off, int64_t sn, float4 x) {
+              st4_t<TO>(v, off, sn, a.vec_grp, x);
+            });
+          });
+        } else {
+          out([&](const View& v, int64_t off, int64_t sn, float4 x) {
+            st(v, off, x.x), st(v, off + sn, x.y), st(v, off + 2 * sn, x.z),
+                st(v, off + 3 * sn, x.w);
+          });
+        }
+      }
+      // The bias partials of this (b, h, chunk): per (rank r, column n), the sum of its dq / dk
+      // over the chunk's valid steps in step order from 0 (cb_qk's segment sums of a chunk),
+      // into qk_part[w][b nch + c][r H N + h N + n].
+      const int64_t seg = int64_t{b} * a.nch + c, nseg = int64_t{a.B} * a.nch;
+      for (int e = tid; e < (2 * R) << lgN; e += NT) {
+        const int w = e >> (lgR + lgN), rn = e & ((R << lgN) - 1);
+        const int r = rn >> lgN, n = rn & (N - 1);
+        const float* src = (w ? dkh : dqh) + r * ldq + n;
+        // In batches of up to 16 steps, each batch's loads before its adds.
+        constexpr int U = AT::C < 16 ? AT::C : 16;
+        float sum = 0.f;
+        BB_UNROLL
+        for (int i0 = 0; i0 < AT::C; i0 += U) {
+          float v[U];
+          BB_UNROLL
+          for (int j = 0; j < U; ++j) v[j] = src[(i0 + j) * R * ldq];
+          BB_UNROLL
+          for (int j = 0; j < U; ++j)
+            if (i0 + j < L) sum += v[j];
+        }
+        a.qk_part[((w * nseg + seg) * R + r) * (int64_t{a.H} << lgN) + (int64_t{h} << lgN) + n] =
+            sum;
+      }
+    } else if (a.dq.dt == a.dk.dt) {
       with_dtype(a.dq.dt, [&](auto otag) {
         using TO = typename decltype(otag)::type;
         store_dq_dk([&](const auto& v, int64_t off, int64_t sn, int vec, float4 x) {
@@ -2563,14 +2722,18 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     }
     // The next chunk's per-step inputs (their last readers, the DQ / DK loop, are behind the
     // barrier above; the store loop reads only dqh, dkh).
-    if (item + bb_nblocks() < total) {
+    if (valid(next_of(item))) {
       if constexpr (SC::on)
-        stage_store(item + bb_nblocks(), next_raw);
+        stage_store(next_of(item), next_raw);
       else
-        stage_chunk(item + bb_nblocks());
+        stage_chunk(next_of(item));
     }
+    // (QkGroup: dqh / dkh, which the bulk copies read, are rewritten from the next chunk's
+    // phase 0 on.)
+    if constexpr (QkGroup) mimo::bulk_wait_read();
     bb_sync();  // shared memory is rewritten for the next chunk; the staged inputs are visible
   }
+  if constexpr (QkGroup) mimo::bulk_wait();
 }
 
 }  // namespace mamba3::cuda::bb

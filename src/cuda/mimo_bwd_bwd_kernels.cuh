@@ -281,6 +281,17 @@ struct Args {
   // dq, dk pair stores likewise. vec_q, vec_k, vec_dq, vec_dk: vec_level (2: quads too).
   int vec_q, vec_k, vec_v, vec_dout, vec_states, vec_dq, vec_dk;
   int bf16_z_pairs;  // Args::gate with a bf16 z in pair layout: one 4-byte load per pair
+  // The combined backward's q / k group sums done by K3 (QkGroup; set by the combined backward,
+  // read only by the K3 specialised to its operands, kQkGroup): dq / dk summed over the heads of
+  // each group into dq_grp / dk_grp ([B, S, R, G, N], the caller's dtype and strides; vec_grp:
+  // vec_level of both), with the running sums in the per-head dq / dk slots of each group's first
+  // head, and each (b, h, chunk)'s sums over its steps into qk_part
+  // ([2][B nch][R H N], the bias gradients' partials).
+  int qk_group, vec_grp;
+  View dq_grp, dk_grp;
+  float* qk_part;
+  // K3 specialisations that do the group sums (ArgsCT<.., kCtCombined>) override this.
+  static constexpr int kQkGroup = 0;
 };
 
 // K3's shared memory (per CTA).
@@ -1282,11 +1293,21 @@ inline Args make_args(const MimoBwdBwdParams& p, const Plan& pl, void* workspace
   a.vec_dout = pair_layout(p.dout), a.vec_states = pair_layout(p.states);
   a.vec_dq = vec_level(p.dq), a.vec_dk = vec_level(p.dk);
   a.bf16_z_pairs = a.gate && p.z.dtype == DType::BF16 && pair_layout(p.z);
+  a.qk_group = 0, a.vec_grp = 0, a.qk_part = nullptr;  // (set by set_qk_group)
   a.o_qh = pl.o_qh, a.o_kh = pl.o_kh, a.o_sg = pl.o_sg, a.o_sx = pl.o_sx;
   a.o_x = pl.o_x, a.o_g = pl.o_g, a.o_dp = pl.o_dp;
   a.o_kq = pl.o_kq, a.o_xg = pl.o_xg, a.o_st = pl.o_st, a.o_m = pl.o_m;
   a.o_qb = pl.o_qb, a.o_kb = pl.o_kb, a.o_cs = pl.o_cs, a.o_sn = pl.o_sn;
   return a;
+}
+
+// The combined backward's request that K3 sum dq / dk over each q / k group (Args::qk_group):
+// dq, dk [B, S, R, G, N] and the bias partials part [2][B nch][R H N] (fp32, compact).
+inline void set_qk_group(Args& a, const TensorView& dq, const TensorView& dk, float* part) {
+  a.qk_group = 1;
+  a.dq_grp = view_of(dq), a.dk_grp = view_of(dk);
+  a.vec_grp = dq.dtype == dk.dtype ? std::min(vec_level(dq), vec_level(dk)) : 0;
+  a.qk_part = part;
 }
 
 }  // namespace mamba3::cuda::bb

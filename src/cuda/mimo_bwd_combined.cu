@@ -9,8 +9,12 @@
 // written and read back.
 // Launches after the two passes (all deterministic: fixed-order sums, no atomics):
 //   qk     dq / dk summed over the heads of each q/k group, written in the caller's dtype, and
-//          per-(row segment) partial sums of the per-head gradients (the bias gradients): one
-//          read of the per-head gradients for both.
+//          per-(b, chunk) partial sums of the per-head gradients (the bias gradients): one
+//          read of the per-head gradients for both. Where the second pass's K3 is the copy
+//          specialised to these operands, K3 does both itself as it stores dq / dk (QkGroupOut,
+//          mimo_bwd_bwd_chunk_planes.cuh: the same bits) and this launch is skipped: the
+//          per-head gradients (B S R H N floats each) are then never written to DRAM and read
+//          back.
 //   bias   the segment partials summed in order (compensated) -> dq_bias, dk_bias.
 //   batch  the per-batch parameter gradients summed over the batch (dmimo_v/o/z, dD, the norm
 //          weight also over R).
@@ -30,7 +34,7 @@ namespace mamba3::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kSegRows = 16;  // rows (b, t) per partial of the bias sums
+constexpr int kSegRows = 16;  // rows (b, t) per block of cb_qk's walk over a chunk
 constexpr int kQkThreads = 128;
 constexpr size_t kAlign = 256;
 
@@ -60,19 +64,24 @@ __device__ __forceinline__ float sigmoid_acc(float x) { return 1.f / (1.f + expf
 // ------------------------------------------------------------------ kernels
 
 struct QkArgs {
-  int64_t B, S, R, H, G, N;
-  int64_t nseg;         // ceil(B*S / kSegRows)
+  int64_t B, S, R, H, G, N, C, nch;
+  int64_t nseg;         // B * nch: one per (b, chunk)
   const float* src[2];  // per-head dq / dk [B, S*R, H, N] compact
   View out[2];          // dq / dk [B, S, R, G, N]
   float* part;          // [2][nseg][R*H*N] segment partials
 };
 
 // One thread per (which, segment, r, g, quad of columns n0..n0+3), the quad index fastest: a
-// warp reads whole 16-byte pieces of the per-head rows, and each thread keeps its segment's
-// kSegRows row sums in registers while it walks the heads of its group in ascending h (the CPU
-// backend's order), so the group sums and the bias partials come from one read. (Was: one
-// thread per column over 32 rows, scalar loads, R G N threads per segment: 0.82 ms at B4 S2048
-// H16 R4 N128 for 537 MB, 16 of 64 threads busy per warp at N16.)
+// warp reads whole 16-byte pieces of the per-head rows. A segment is one chunk of one batch
+// (rows c C .. of batch b), walked in blocks of kSegRows rows: per block the thread keeps the
+// block's row sums in registers while it walks the heads of its group in ascending h (the CPU
+// backend's order), so the group sums and the bias partials come from one read. Each head's
+// partial is the sum over the chunk's rows in row order from 0 (carried across the blocks in
+// `part`, which only this thread writes): the same values and order as the second pass's K3
+// where it does this reduction itself (QkGroupOut), so both give the same bits (but for
+// subnormal group sums, which K3's L2 adds flush to zero).
+// (Was: one thread per column over 32 rows, scalar loads, R G N threads per segment: 0.82 ms
+// at B4 S2048 H16 R4 N128 for 537 MB, 16 of 64 threads busy per warp at N16.)
 // Vec: N % 4 == 0, 16-byte aligned quads (compact, 256-byte aligned buffers); a compile-time
 // choice so that the row loads are not split by a branch each.
 template <bool Vec>
@@ -84,56 +93,74 @@ __global__ void __launch_bounds__(kQkThreads) cb_qk_kernel(const __grid_constant
   const int64_t seg = ws % a.nseg, which = ws / a.nseg;
   const int64_t n0 = (q % nq) * 4, g = (q / nq) % a.G, r = q / (nq * a.G);
   const int cnt = static_cast<int>(a.N - n0 < 4 ? a.N - n0 : 4);
-  const int64_t M = a.B * a.S, hpg = a.H / a.G, rhn = a.R * a.H * a.N;
+  const int64_t hpg = a.H / a.G, rhn = a.R * a.H * a.N;
+  const int64_t b = seg / a.nch, t_first = (seg % a.nch) * a.C;
+  const int64_t t_end = a.S - t_first < a.C ? a.S : t_first + a.C;
   const float* src = a.src[which];
   const View& o = a.out[which];
-  const int64_t row0 = seg * kSegRows;
-  const int rows = M - row0 < kSegRows ? static_cast<int>(M - row0) : kSegRows;
   const int64_t rstride = a.R * a.H * a.N;  // between consecutive (b, t) rows of src
-  float4 rs[kSegRows];
+  for (int64_t t0 = t_first; t0 < t_end; t0 += kSegRows) {
+    const int rows = t_end - t0 < kSegRows ? static_cast<int>(t_end - t0) : kSegRows;
+    const int64_t row0 = b * a.S + t0;  // (b, t) row of src
+    float4 rs[kSegRows];  // the group sums of the block's rows
 #pragma unroll
-  for (int i = 0; i < kSegRows; ++i) rs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int64_t h = g * hpg; h < (g + 1) * hpg; ++h) {
-    const float* col = src + (row0 * a.R + r) * a.H * a.N + h * a.N + n0;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    // All kSegRows loads first, unconditionally (rows past the end re-read the last row): a load
-    // under `i < rows` was issued only after the previous row's adds, one DRAM round trip each.
-    float4 xs[kSegRows];
+    for (int i = 0; i < kSegRows; ++i) rs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t h = g * hpg; h < (g + 1) * hpg; ++h) {
+      const float* col = src + (row0 * a.R + r) * a.H * a.N + h * a.N + n0;
+      float* pp = a.part + (which * a.nseg + seg) * rhn + (r * a.H + h) * a.N + n0;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (t0 > t_first) {  // the head's sum over the segment's earlier blocks
+        if constexpr (Vec)
+          acc = *reinterpret_cast<const float4*>(pp);
+        else
+          acc = make_float4(pp[0], cnt > 1 ? pp[1] : 0.f, cnt > 2 ? pp[2] : 0.f,
+                            cnt > 3 ? pp[3] : 0.f);
+      }
+      // All kSegRows loads first, unconditionally (rows past the end re-read the last row): a
+      // load under `i < rows` was issued only after the previous row's adds, one DRAM round
+      // trip each.
+      float4 xs[kSegRows];
 #pragma unroll
-    for (int i = 0; i < kSegRows; ++i) {
-      const float* c = col + (i < rows ? i : rows - 1) * rstride;
-      if constexpr (Vec)
-        xs[i] = *reinterpret_cast<const float4*>(c);
-      else
-        xs[i] = make_float4(c[0], cnt > 1 ? c[1] : 0.f, cnt > 2 ? c[2] : 0.f, cnt > 3 ? c[3] : 0.f);
+      for (int i = 0; i < kSegRows; ++i) {
+        const float* c = col + (i < rows ? i : rows - 1) * rstride;
+        if constexpr (Vec)
+          xs[i] = *reinterpret_cast<const float4*>(c);
+        else
+          xs[i] =
+              make_float4(c[0], cnt > 1 ? c[1] : 0.f, cnt > 2 ? c[2] : 0.f, cnt > 3 ? c[3] : 0.f);
+      }
+      // The group sums start from the first head's values themselves (not 0 + them: -0 stays),
+      // as K3's bulk copies do.
+      const bool first = h == g * hpg;
+#pragma unroll
+      for (int i = 0; i < kSegRows; ++i) {
+        if (i < rows) {
+          const float4 x = xs[i];
+          if (first)
+            rs[i] = x;
+          else
+            rs[i].x += x.x, rs[i].y += x.y, rs[i].z += x.z, rs[i].w += x.w;
+          acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+        }
+      }
+      if constexpr (Vec) {
+        *reinterpret_cast<float4*>(pp) = acc;
+      } else {
+        const float v[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (e < cnt) pp[e] = v[e];
+      }
     }
 #pragma unroll
     for (int i = 0; i < kSegRows; ++i) {
       if (i < rows) {
-        const float4 x = xs[i];
-        rs[i].x += x.x, rs[i].y += x.y, rs[i].z += x.z, rs[i].w += x.w;
-        acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+        const int64_t base = b * o.s[0] + (t0 + i) * o.s[1] + r * o.s[2] + g * o.s[3] + n0 * o.s[4];
+        const float v[4] = {rs[i].x, rs[i].y, rs[i].z, rs[i].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (e < cnt) st(o, base + e * o.s[4], v[e]);
       }
-    }
-    float* pp = a.part + (which * a.nseg + seg) * rhn + (r * a.H + h) * a.N + n0;
-    if constexpr (Vec) {
-      *reinterpret_cast<float4*>(pp) = acc;
-    } else {
-      const float v[4] = {acc.x, acc.y, acc.z, acc.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (e < cnt) pp[e] = v[e];
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kSegRows; ++i) {
-    if (i < rows) {
-      const int64_t b = (row0 + i) / a.S, t = (row0 + i) % a.S;
-      const int64_t base = b * o.s[0] + t * o.s[1] + r * o.s[2] + g * o.s[3] + n0 * o.s[4];
-      const float v[4] = {rs[i].x, rs[i].y, rs[i].z, rs[i].w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (e < cnt) st(o, base + e * o.s[4], v[e]);
     }
   }
 }
@@ -432,7 +459,7 @@ Layout make_layout(const MimoCombinedParams& cp, unsigned char* base) {
   }
 
   // reductions
-  l.nseg = (B * S + kSegRows - 1) / kSegRows;
+  l.nseg = B * nch;  // one bias partial per (b, chunk) and head
   l.part = take(2 * l.nseg * R * H * N);
 
   // the passes' own workspace
@@ -468,20 +495,27 @@ void mimo_bwd_combined(const MimoCombinedParams& cp, void* workspace, size_t wor
 
   mimo_bwd_fwd(f, l.sub, l.sub_bytes, stream);
 
-  mimo_bwd_bwd(l.b, l.sub, l.sub_bytes, stream);
+  // The second pass does the q / k group sums itself where its K3 can (QkGroupOut; same bits
+  // as cb_qk), else cb_qk reads its per-head dq / dk back.
+  QkGroupOut grp;
+  grp.dq = cp.dq, grp.dk = cp.dk, grp.part = l.part;
+  const bool grouped = mimo_bwd_bwd(l.b, l.sub, l.sub_bytes, stream, &grp);
 
   {
-    QkArgs q;
-    q.B = B, q.S = S, q.R = R, q.H = H, q.G = G, q.N = N, q.nseg = l.nseg;
-    q.src[0] = l.dqh, q.src[1] = l.dkh;
-    q.out[0] = view_of(cp.dq), q.out[1] = view_of(cp.dk);
-    q.part = l.part;
-    const int64_t qk_threads = 2 * l.nseg * R * G * ((N + 3) / 4);
-    if (N % 4 == 0)
-      cb_qk_kernel<true><<<blocks(qk_threads, kQkThreads), kQkThreads, 0, st>>>(q);
-    else
-      cb_qk_kernel<false><<<blocks(qk_threads, kQkThreads), kQkThreads, 0, st>>>(q);
-    check_launch("mimo_bwd_combined: q/k group-sum kernel");
+    if (!grouped) {
+      QkArgs q;
+      q.B = B, q.S = S, q.R = R, q.H = H, q.G = G, q.N = N, q.C = f.C, q.nch = f.nchunks;
+      q.nseg = l.nseg;
+      q.src[0] = l.dqh, q.src[1] = l.dkh;
+      q.out[0] = view_of(cp.dq), q.out[1] = view_of(cp.dk);
+      q.part = l.part;
+      const int64_t qk_threads = 2 * l.nseg * R * G * ((N + 3) / 4);
+      if (N % 4 == 0)
+        cb_qk_kernel<true><<<blocks(qk_threads, kQkThreads), kQkThreads, 0, st>>>(q);
+      else
+        cb_qk_kernel<false><<<blocks(qk_threads, kQkThreads), kQkThreads, 0, st>>>(q);
+      check_launch("mimo_bwd_combined: q/k group-sum kernel");
+    }
     BiasArgs bi;
     bi.R = R, bi.H = H, bi.N = N, bi.nseg = l.nseg, bi.part = l.part;
     bi.out[0] = view_of(cp.dq_bias), bi.out[1] = view_of(cp.dk_bias);

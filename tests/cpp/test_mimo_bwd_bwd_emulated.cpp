@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -137,12 +138,20 @@ bool launch_chain_ct(const bb::Args& a) {
 // Runs the four kernels exactly as src/cuda/mimo_bwd_bwd.cu launches them. scalar_loads: the
 // planes kernels' pair loads and stores replaced by their two-access fallback (what other
 // layouts take).
+// The combined backward's q / k group outputs (bb::set_qk_group): dq, dk [B, S, R, G, N] and
+// the bias partials [2][B nch][R H N].
+struct QkGroupBufs {
+  mamba3::TensorView dq, dk;
+  float* part;
+};
+
 void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
-             bool scalar_loads = false) {
+             bool scalar_loads = false, const QkGroupBufs* grp = nullptr) {
   const bb::Plan pl = bb::make_plan(p, max_slots, k3 != K3::Slots);
   ASSERT_EQ(pl.planes, k3 != K3::Slots) << "the plan does not take the requested K3";
   std::vector<float> ws(pl.bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
   bb::Args a = bb::make_args(p, pl, ws.data());
+  if (grp != nullptr) bb::set_qk_group(a, grp->dq, grp->dk, grp->part);
   if (scalar_loads)
     a.vec_q = a.vec_k = a.vec_v = a.vec_dout = a.vec_states = a.vec_dq = a.vec_dk = 0;
   ASSERT_LE(reinterpret_cast<uintptr_t>(a.ws_slot + pl.nslots * pl.slot_floats),
@@ -188,6 +197,10 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
       ASSERT_EQ(ct_set(a) != bb::kCtShape, k3 != K3::PlanesCT)
           << "the operands do not select the requested specialisation";
       const bool shape_only = k3 == K3::PlanesCTShape;
+      // The combined backward's copy does the q / k group sums (mimo_bwd_bwd.cu runs it only
+      // when they are asked for).
+      ASSERT_TRUE(shape_only || ct_set(a) != bb::kCtCombined || grp != nullptr)
+          << "the combined backward's K3 needs the q / k group outputs";
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data(), shape_only) ||
                    launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data(), shape_only) ||
                    launch_planes_ct<128, 64, 2, 32>(a, grid, smem.data(), shape_only) ||
@@ -367,7 +380,14 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
         << mamba3_last_error();
   }
   std::vector<Buffer> got = outputs(), again = outputs();
-  emulate(call_params(got), max_slots, k3);
+  // The combined backward's K3 (K3::PlanesCTL with its operands) sums dq / dk over the q / k
+  // groups and writes the bias partials instead of per-head dq / dk (bb::Args::qk_group):
+  // checked below against those sums of the shape-only K3's per-head outputs.
+  const bool grouped = k3 == K3::PlanesCTL && s.combined;
+  Buffer gdq(F, {B, S, R, G, N}), gdk(F, {B, S, R, G, N});
+  std::vector<float> gpart(2 * B * nch * R * H * N, std::numeric_limits<float>::quiet_NaN());
+  QkGroupBufs grp{view_of(gdq), view_of(gdk), gpart.data()};
+  emulate(call_params(got), max_slots, k3, false, grouped ? &grp : nullptr);
   // The second run with the planes kernels' scalar-load fallback: the same bits expected (pair
   // loads or not, the same values enter the same arithmetic), and run-to-run determinism.
   emulate(call_params(again), max_slots, k3, /*scalar_loads=*/true);
@@ -378,6 +398,44 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
     emulate(call_params(shape_only), max_slots, K3::PlanesCTShape);
   }
   if (testing::Test::HasFatalFailure()) return;
+  if (grouped) {
+    // The group sums, the heads' values added in ascending h, and the per-(b, h, chunk) sums over
+    // the chunk's steps from 0 in step order (the combined backward's cb_qk): the same bits.
+    const int64_t HG = H / G, nseg = B * nch;
+    const Buffer* srcs[2] = {&shape_only[0], &shape_only[1]};
+    const Buffer* outs[2] = {&gdq, &gdk};
+    for (int w = 0; w < 2; ++w) {
+      const std::vector<double> src = srcs[w]->to_double(), o = outs[w]->to_double();
+      auto at = [&](int64_t b, int64_t t, int64_t r, int64_t h, int64_t n) {
+        return static_cast<float>(src[(((b * S + t) * R + r) * H + h) * N + n]);
+      };
+      int64_t bad_sum = 0, bad_part = 0;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < S; ++t)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t n = 0; n < N; ++n) {
+                float sum = at(b, t, r, g * HG, n);
+                for (int64_t hh = 1; hh < HG; ++hh) sum += at(b, t, r, g * HG + hh, n);
+                const float got_v = static_cast<float>(o[(((b * S + t) * R + r) * G + g) * N + n]);
+                bad_sum += std::memcmp(&sum, &got_v, sizeof(float)) != 0;
+              }
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t c = 0; c < nch; ++c)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t h = 0; h < H; ++h)
+              for (int64_t n = 0; n < N; ++n) {
+                float sum = 0.f;
+                for (int64_t t = c * C; t < std::min(S, c * C + C); ++t) sum += at(b, t, r, h, n);
+                const float got_v = gpart[((w * nseg + b * nch + c) * R + r) * H * N + h * N + n];
+                bad_part += std::memcmp(&sum, &got_v, sizeof(float)) != 0;
+              }
+      EXPECT_EQ(bad_sum, 0) << kNames[w] << ": group sums differ from the per-head outputs'";
+      EXPECT_EQ(bad_part, 0) << kNames[w] << ": bias partials differ from the per-head outputs'";
+    }
+    // The per-head values (which the grouped K3 does not keep) for the comparisons below.
+    got[0] = shape_only[0], got[1] = shape_only[1];
+  }
   // Against the CPU backend (same fp32 algebra: tight; the planes kernel's products round their
   // operands to hi + lo bf16 pairs, ~2^-17 each: fp32 outputs to 1e-4 as the first pass's lean
   // kernels in test_mimo_bwd_fwd_emulated.cpp) ...
