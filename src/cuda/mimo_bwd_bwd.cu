@@ -83,8 +83,8 @@ PlanesKernel generic_k3() {
 
 // The kernels bb::k3_kind picks, K1 of the same kind (MAMBA3_BB_SPECIALIZED=0 forces the
 // generic ones for both; K1 is generic at N16, see bb::ct_k1_entry). The K3 of the combined
-// backward's operands does the q / k group sums (Args::qk_group): only when asked; else that
-// shape's shape-only K3.
+// backward's operands does the q / k group sums where bb::ct_qk_group says so: there only when
+// asked (Args::qk_group), else that shape's shape-only K3.
 PlanesKernels planes_kernels(const Args& a) {
   PlanesKernels pk{generic_k1(), generic_k3()}, ct;
   switch (bb::k3_kind(a)) {
@@ -97,7 +97,8 @@ PlanesKernels planes_kernels(const Args& a) {
       ct = {bb::ct_k1_bwd_bwd(a), bb::ct_k3_bwd_bwd(a)};
       break;
     case bb::K3Kind::kShapeLayoutCombined:
-      ct = {bb::ct_k1_combined(a), a.qk_group ? bb::ct_k3_combined(a) : bb::ct_k3_shape(a)};
+      ct = {bb::ct_k1_combined(a), a.qk_group || !bb::ct_qk_group(a.N) ? bb::ct_k3_combined(a)
+                                                                         : bb::ct_k3_shape(a)};
       break;
   }
   if (ct.k1.kernel) pk.k1 = ct.k1;
@@ -193,7 +194,8 @@ bool mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
              "mimo_bwd_bwd: cudaFuncSetAttribute(planes chunk kernel)");
     pk.k3.launch(a, static_cast<unsigned>(grid), bb::kPlanesThreads, smem, st);
     check_launch("mimo_bwd_bwd: planes chunk kernel");
-    grouped = a.qk_group && bb::k3_kind(a) == bb::K3Kind::kShapeLayoutCombined &&
+    grouped = a.qk_group && bb::ct_qk_group(a.N) &&
+              bb::k3_kind(a) == bb::K3Kind::kShapeLayoutCombined &&
               pk.k3.kernel == bb::ct_k3_combined(a).kernel;
   } else {
     bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);

@@ -952,6 +952,12 @@ struct ArgsShapeCT : Args {
 // those, with the same values.)
 enum CtSet : int { kCtShape = 0, kCtBwdBwd = 1, kCtCombined = 2 };
 
+// Whether the kCtCombined K3 of state size N does the combined backward's q / k group sums
+// (kQkGroup). Not below N64: at N32 (rows of 128 bytes, one bulk copy each) K3 took 0.848 ->
+// 0.964 ms and the combined kernels' sum 1.740 -> 1.757 (H100, session 30, one call; N64: 2.097
+// -> 2.000, N128: 2.809 -> 2.629); N16's rows are shorter still (not measured).
+constexpr bool ct_qk_group(int N) { return N >= 64; }
+
 template <int N_, int P_, int R_, int C_, int CL = kCtShape>
 struct ArgsCT : ArgsShapeCT<N_, P_, R_, C_> {};
 
@@ -981,8 +987,8 @@ struct ArgsLayoutCT : ArgsShapeCT<N_, P_, R_, C_> {
   std::conditional_t<GATE != 0, CView<kF32, R_ * P_, P_, 1>, View> mimo_z;  // [H,R,P]
   static constexpr int layout = 0, gate = GATE, bf16_z_pairs = GATE;
   // The combined backward's copy sums dq / dk over the q / k groups itself (Args::qk_group):
-  // chunk_planes_body's QkGroup schedule and stores.
-  static constexpr int kQkGroup = GATE;
+  // chunk_planes_body's QkGroup schedule and stores (ct_qk_group).
+  static constexpr int kQkGroup = GATE && ct_qk_group(N_);
   static constexpr int vec_q = 2, vec_k = 2, vec_v = 1, vec_dout = 1, vec_states = 1,
                        vec_dq = 2, vec_dk = 2;
 

@@ -199,7 +199,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
       const bool shape_only = k3 == K3::PlanesCTShape;
       // The combined backward's copy does the q / k group sums (mimo_bwd_bwd.cu runs it only
       // when they are asked for).
-      ASSERT_TRUE(shape_only || ct_set(a) != bb::kCtCombined || grp != nullptr)
+      ASSERT_TRUE(shape_only || ct_set(a) != bb::kCtCombined || !bb::ct_qk_group(a.N) ||
+                  grp != nullptr)
           << "the combined backward's K3 needs the q / k group outputs";
       ASSERT_TRUE((launch_planes_ct<128, 64, 4, 16>(a, grid, smem.data(), shape_only) ||
                    launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data(), shape_only) ||
@@ -383,7 +384,7 @@ void check_case(const Shape& s, uint64_t seed, int64_t max_slots = bb::kMaxSlots
   // The combined backward's K3 (K3::PlanesCTL with its operands) sums dq / dk over the q / k
   // groups and writes the bias partials instead of per-head dq / dk (bb::Args::qk_group):
   // checked below against those sums of the shape-only K3's per-head outputs.
-  const bool grouped = k3 == K3::PlanesCTL && s.combined;
+  const bool grouped = k3 == K3::PlanesCTL && s.combined && bb::ct_qk_group(static_cast<int>(N));
   Buffer gdq(F, {B, S, R, G, N}), gdk(F, {B, S, R, G, N});
   std::vector<float> gpart(2 * B * nch * R * H * N, std::numeric_limits<float>::quiet_NaN());
   QkGroupBufs grp{view_of(gdq), view_of(gdk), gpart.data()};
