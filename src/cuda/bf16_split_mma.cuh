@@ -153,10 +153,12 @@ inline void mb_prefetch_l2(const void*) {}
 // Bulk asynchronous copies from shared to global memory (sm_90's bulk copy engine, what a TMA
 // store uses without a tensor map): bytes (a multiple of 16, both addresses 16-byte aligned)
 // from s to g, as a plain copy (bulk_s2g) or added into g's floats at L2 (bulk_add_s2g: the
-// L2's fp32 add, round to nearest; subnormal sums flush to zero). Each is in the calling
-// thread's next bulk group (bulk_commit); bulk_wait_read waits until the thread's groups have
+// L2's fp32 add, round to nearest; subnormals flushed to zero, as red.add.f32 does). Each is in
+// the calling thread's next bulk group (bulk_commit); bulk_wait_read waits until its groups have
 // read their shared memory, bulk_wait until their writes are done. The shared-memory writes a
-// copy reads must be ordered before it by fence_async_smem (each writing thread) and a barrier.
+// copy reads must be ordered before it by fence_async_smem (each writing thread) and a barrier;
+// generic loads of what a copy wrote after it by bulk_wait, fence_async_global (the issuing
+// thread) and a barrier.
 // Host (the emulator): done at once, in order.
 #if defined(__CUDA_ARCH__)
 MB_DEV void bulk_s2g(float* g, const float* s, uint32_t bytes) {
@@ -173,6 +175,9 @@ MB_DEV void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memo
 MB_DEV void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 MB_DEV void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 MB_DEV void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Orders the thread's completed bulk writes to global memory (async proxy) before its later
+// generic accesses (and, through a barrier, other threads' loads).
+MB_DEV void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 // A float4 load through L2 only (not L1): for data the bulk copies wrote.
 MB_DEV float4 ld_cg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 #else
@@ -185,6 +190,7 @@ inline void bulk_commit() {}
 inline void bulk_wait_read() {}
 inline void bulk_wait() {}
 inline void fence_async_smem() {}
+inline void fence_async_global() {}
 #endif
 
 // L2 prefetches of the cnt elements p[off + j stride] (bytes es each): one request per 128-byte

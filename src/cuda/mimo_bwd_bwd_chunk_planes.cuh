@@ -2526,6 +2526,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       // sums they wrote; the next copy to the same rows adds after them), and its writes to
       // dqh / dkh ordered before this item's copies, which read them.
       mimo::bulk_wait();
+      mimo::fence_async_global();
       mimo::fence_async_smem();
     }
     bb_sync();  // DQ, DK complete in dqh, dkh
