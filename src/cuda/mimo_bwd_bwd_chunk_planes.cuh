@@ -2522,11 +2522,14 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       }
     }
     if constexpr (QkGroup) {
-      // This thread's bulk copies of its previous item complete (a last head below reads the
-      // sums they wrote; the next copy to the same rows adds after them), and its writes to
+      // The bulk copies of this thread's previous item complete and ordered before the
+      // barrier (a last head below loads the sums they wrote; the next copy to the same rows
+      // adds after them: only threads below 2 T issue any), and every thread's writes to
       // dqh / dkh ordered before this item's copies, which read them.
-      mimo::bulk_wait();
-      mimo::fence_async_global();
+      if (tid < 2 * AT::C * AT::R) {
+        mimo::bulk_wait();
+        mimo::fence_async_global();
+      }
       mimo::fence_async_smem();
     }
     bb_sync();  // DQ, DK complete in dqh, dkh
