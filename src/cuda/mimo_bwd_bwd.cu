@@ -194,9 +194,8 @@ bool mimo_bwd_bwd(const MimoBwdBwdParams& p, void* workspace, size_t workspace_b
              "mimo_bwd_bwd: cudaFuncSetAttribute(planes chunk kernel)");
     pk.k3.launch(a, static_cast<unsigned>(grid), bb::kPlanesThreads, smem, st);
     check_launch("mimo_bwd_bwd: planes chunk kernel");
-    grouped = a.qk_group && bb::ct_qk_group(a.N) &&
-              bb::k3_kind(a) == bb::K3Kind::kShapeLayoutCombined &&
-              pk.k3.kernel == bb::ct_k3_combined(a).kernel;
+    // (planes_kernels takes that kernel only where k3_kind picks the combined layouts.)
+    grouped = a.qk_group && bb::ct_qk_group(a.N) && pk.k3.kernel == bb::ct_k3_combined(a).kernel;
   } else {
     bb_chunk_kernel<<<static_cast<unsigned>(pl.grid3), kThreads, 0, st>>>(a);
     check_launch("mimo_bwd_bwd: chunk kernel");
