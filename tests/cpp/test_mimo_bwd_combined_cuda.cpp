@@ -204,10 +204,11 @@ struct CbBench {
 
 // The second pass's planes K3 specialised to the combined backward's contiguous operands (fp32
 // states, qk_dot and per-head dq / dk, the Z gate: bb::ArgsCT<.., kCtCombined>, which the
-// benchmark's operands select) gives the bits of the shape-only copy (MAMBA3_BB_CT_LAYOUT=0) and
-// of the generic kernels (MAMBA3_BB_SPECIALIZED=0), and with K1 + K2 in place of the state
-// chain kernel (MAMBA3_BB_CHAIN=0), at each reference shape (whole and partial
-// chunks: S = 150); all 14 gradients finite.
+// benchmark's operands select; from N64 up it also does the q / k group sums) gives the bits of
+// the shape-only copy (MAMBA3_BB_CT_LAYOUT=0) and of the generic kernels
+// (MAMBA3_BB_SPECIALIZED=0), with the group sums left to cb_qk (MAMBA3_CB_QK_GROUP=0), and with
+// K1 + K2 in place of the state chain kernel (MAMBA3_BB_CHAIN=0), at each reference shape (whole
+// and partial chunks: S = 150); all 14 gradients finite.
 TEST(MimoBwdCombinedCuda, ContiguousLayoutKernelGivesIdenticalBits) {
   SKIP_WITHOUT_CUDA();
 #ifdef MAMBA3_GOLDEN_CUDA
@@ -222,6 +223,8 @@ TEST(MimoBwdCombinedCuda, ContiguousLayoutKernelGivesIdenticalBits) {
     const auto [spec, gen] =
         cuda_ops::results_default_and_switched_off(dev, "MAMBA3_BB_SPECIALIZED");
     const auto [ch, k12] = cuda_ops::results_default_and_switched_off(dev, "MAMBA3_BB_CHAIN");
+    const auto [grp, nogrp] =
+        cuda_ops::results_default_and_switched_off(dev, "MAMBA3_CB_QK_GROUP");
     for (size_t j = 0; j < cl.size(); ++j) {
       EXPECT_TRUE(ch[j] == k12[j] && ch[j] == cl[j])
           << names[j] << " differs with K1 + K2 for the state chain at N" << s[0] << " P" << s[1]
@@ -229,6 +232,9 @@ TEST(MimoBwdCombinedCuda, ContiguousLayoutKernelGivesIdenticalBits) {
       EXPECT_TRUE(cl[j] == shape[j] && cl[j] == spec[j])
           << names[j] << " differs from the shape-only K3 at N" << s[0] << " P" << s[1] << " R"
           << s[2] << " C" << s[3];
+      EXPECT_TRUE(grp[j] == nogrp[j] && grp[j] == cl[j])
+          << names[j] << " differs with cb_qk for the q / k group sums (MAMBA3_CB_QK_GROUP=0) at N"
+          << s[0] << " P" << s[1] << " R" << s[2] << " C" << s[3];
       EXPECT_TRUE(spec[j] == gen[j]) << names[j] << " differs from the generic kernels at N"
                                      << s[0] << " P" << s[1] << " R" << s[2] << " C" << s[3];
       Buffer chk = dev.out[j];
