@@ -1673,7 +1673,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
 
   const int64_t total = static_cast<int64_t>(a.B) * a.H * a.nch;
   // The order a CTA takes its items (item = (b H + h) nch + c) in, and the next one after `item`
-  // (-1: none). Else grid-stride over the items. QkGroup (AT::kQkGroup): grid-stride over the
+  // (valid: whether there is one; QkGroup marks the end with -1). Else grid-stride over the
+  // items. QkGroup (AT::kQkGroup): grid-stride over the
   // (b, group, chunk) triples, gi = (b G + g) nch + c, each one's heads in ascending order one
   // after the other, so that the CTA sums dq / dk over the group's heads as it goes (the
   // combined backward's cb_qk pass, folded into the DQ / DK stores; same order, same bits).
@@ -2570,13 +2571,15 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       // read and write per head) made K3 5-8% slower (H100, session 30); the engine reads the
       // rows from shared memory while the threads go on.
       const int hh = h - grp * a.HG;
+      // Row `row` of this chunk's running sums in v (a.dq or a.dk): the group's first head's.
+      auto sum_row = [&](const auto& v, int row) {
+        return reinterpret_cast<float*>(v.p) + (int64_t{b} * v.s[0] + int64_t{h - hh} * v.s[2] +
+                                                (int64_t{s0} * R + row) * v.s[1]);
+      };
       if (hh + 1 < a.HG) {
         if (tid < 2 * TL) {
           const int w = tid >= TL ? 1 : 0, row = tid - w * TL;
-          const auto& v = w ? a.dk : a.dq;
-          float* gp = reinterpret_cast<float*>(v.p) +
-                      (int64_t{b} * v.s[0] + int64_t{h - hh} * v.s[2] +
-                       (int64_t{s0} * R + row) * v.s[1]);
+          float* gp = sum_row(w ? a.dk : a.dq, row);
           const float* sp = (w ? dkh : dqh) + row * ldq;
           if (hh == 0)
             mimo::bulk_s2g(gp, sp, N * 4);
@@ -2587,13 +2590,9 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       } else {
         const int lgQ = lgN - 2, nc = (tid & ((1 << lgQ) - 1)) * 4, rs = NT >> lgQ;
         constexpr int KQ = (AT::C * AT::R * (AT::N / 4) + NT - 1) / NT;  // rows per thread, at most
-        const auto &vq = a.dq, &vk = a.dk;
-        const int64_t sq = vq.s[1], sk = vk.s[1];
-        const int64_t row0 = int64_t{s0} * R + (tid >> lgQ);
-        const float* aq = reinterpret_cast<const float*>(vq.p) +
-                          (int64_t{b} * vq.s[0] + int64_t{h - hh} * vq.s[2] + row0 * sq + nc);
-        const float* ak = reinterpret_cast<const float*>(vk.p) +
-                          (int64_t{b} * vk.s[0] + int64_t{h - hh} * vk.s[2] + row0 * sk + nc);
+        const int64_t sq = a.dq.s[1], sk = a.dk.s[1];
+        const float* aq = sum_row(a.dq, tid >> lgQ) + nc;
+        const float* ak = sum_row(a.dk, tid >> lgQ) + nc;
         // Every load before any add (the L2 round trips overlap).
         float4 yq[KQ], yk[KQ];
         BB_UNROLL
