@@ -1098,16 +1098,25 @@ inline bool ct_layout_ok(const Args& a, CtSet set) {
 // faster (H200, session 12: planes K3 N128 P64 R4 C16 1.843 -> 1.79 ms, R2 C32 1.000 -> 0.967);
 // at N256 C8 and N128 P128 C8 they spilled (+13%, +20%). The x / dPhiO rows alone (a few per
 // thread: 2 to 8) everywhere since session 20 but at N128 R1 C64 (planes K3 +3% there; the
-// states rows too, +7%: session 21, PERF.md).
+// states rows too, +7%: session 21, PERF.md). The combined backward's copy (kCtCombined: the
+// Z gate, fp32 states) takes the x / dPhiO rows with the gate's z rows and its rank's mimo_z
+// pair (`gate`), never the fp32 states rows (at N128 R4 C16 and R2 C32 they spilled 100 / 136
+// bytes), and only at the C16 shapes with P <= 64 and at N256 C8, where they measured faster
+// (H100, session 31, combined K3 against loading them in phase 0: N32 -3.6%, N64 -3.9%, N128 P64
+// -2.1%, N128 P32 -0.3%, N256 C8 -2.7%; the other C8 shapes +1.4 to +2.9%, R2 C32 and N64 P128
+// spilled 20 / 16 bytes and lost 1.4 / 2.1%).
 template <class AT>
 struct RawCounts {
-  static constexpr bool on = false, st = false;
+  static constexpr bool on = false, st = false, gate = false;
   static constexpr int kx = 1, ks = 1;
 };
 template <int N, int P, int R, int C, int CL>
 struct RawCounts<ArgsCT<N, P, R, C, CL>> {
-  static constexpr bool on = !(R == 1 && C == 64);
-  static constexpr bool st = N == 128 && P == 64 && ((R == 4 && C == 16) || (R == 2 && C == 32));
+  static constexpr bool gate = CL == kCtCombined;
+  static constexpr bool on =
+      gate ? (C == 16 && P <= 64) || (N == 256 && C == 8) : !(R == 1 && C == 64);
+  static constexpr bool st =
+      !gate && N == 128 && P == 64 && ((R == 4 && C == 16) || (R == 2 && C == 32));
   static constexpr int kx = (C * R * (P / 2) + kPlanesThreads - 1) / kPlanesThreads;
   static constexpr int ks = st ? (N * (P / 2) + kPlanesThreads - 1) / kPlanesThreads : 1;
 };
@@ -1609,18 +1618,21 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   // rows), the largest long-scoreboard stalls of K3 (~7% of its samples at N128, ~9% at N256 C8
   // in ncu); issued a chunk ahead, their latency overlaps the DQ / DK stores, the DMIMO_V
   // partial and stage_chunk. Specialised kernels only (compile-time counts: RawCounts; the
-  // states rows only where RawCounts::st) and the benchmark's layout: no gate, bf16 dout (and
-  // states), pair loads (raw_on); elsewhere phase 0 loads them itself. The same rows per thread
-  // in the same order, the same values (ld2_t's, rank_weights' as rt_ld_raw / rt_raw_f), the
-  // same arithmetic: the same bits.
+  // states rows only where RawCounts::st) and the benchmark's layout (no gate, bf16 dout and
+  // states, pair loads: raw_on) or, in the combined backward's copy (RawCounts::gate), its
+  // gated one (the z rows and the rank's mimo_z pair too, as z_gate2 reads them); elsewhere
+  // phase 0 loads them itself. The same rows per thread in the same order, the same values
+  // (ld2_t's, rank_weights' as rt_ld_raw / rt_raw_f), the same arithmetic: the same bits.
   using RC = RawCounts<AT>;
   struct RawRows {
     uint32_t v[RC::kx], d[RC::kx];  // bf16 pairs of v and dout (rows >= TL: not loaded)
+    uint32_t z[RC::gate ? RC::kx : 1];  // bf16 pairs of z (RC::gate)
     uint32_t st[RC::ks];             // bf16 pairs of states[c]
     float2 ds[RC::ks];               // dS_c pairs
-    uint32_t mv[2], mo[2];           // the thread's rank's mimo_v, mimo_o pair, raw
+    uint32_t mv[2], mo[2], mz[2];    // the thread's rank's mimo_v, mimo_o, mimo_z pair, raw
   };
-  const bool raw_on = RC::on && !a.gate && a.vec_v && a.vec_dout && a.dout.dt == 1 &&
+  const bool raw_on = RC::on && (RC::gate ? a.gate && a.bf16_z_pairs : !a.gate) && a.vec_v &&
+                      a.vec_dout && a.dout.dt == 1 &&
                       (!RC::st || (a.vec_states && a.states.dt == 1));
   RawRows raw;
   // The thread's column pair pc and first row r0 of both pair_rows loops; rows step by rs.
@@ -1642,6 +1654,11 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       raw.mo[0] = rt_ld_raw(a.mimo_o.p, o, a.mimo_o.dt);
       raw.mo[1] = rt_ld_raw(a.mimo_o.p, o + a.mimo_o.s[2], a.mimo_o.dt);
     }
+    if constexpr (RC::gate) {
+      const int64_t o = int64_t{h} * a.mimo_z.s[0] + r_t * a.mimo_z.s[1] + pc * a.mimo_z.s[2];
+      raw.mz[0] = rt_ld_raw(a.mimo_z.p, o, a.mimo_z.dt);
+      raw.mz[1] = rt_ld_raw(a.mimo_z.p, o + a.mimo_z.s[2], a.mimo_z.dt);
+    }
     const DoutRows dr = dout_rows(a, b, h);
     const unsigned short* pv = reinterpret_cast<const unsigned short*>(a.v.p) +
                                (int64_t{b} * a.v.s[0] + int64_t{h} * a.v.s[2] +
@@ -1654,6 +1671,17 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       if (row < TL) {
         raw.v[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pv + i * a.v.s[1]));
         raw.d[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pd + i * dr.st));
+      }
+    }
+    if constexpr (RC::gate) {
+      const unsigned short* pz = reinterpret_cast<const unsigned short*>(a.z.p) +
+                                 (int64_t{b} * a.z.s[0] + int64_t{h} * a.z.s[2] +
+                                  int64_t{s0} * a.z.s[1] + pc * a.z.s[3]);
+      BB_UNROLL
+      for (int k = 0; k < RC::kx; ++k) {
+        const int row = r0 + k * rs, i = row >> lgR;
+        if (row < TL)
+          raw.z[k] = mimo::mb_ldg(reinterpret_cast<const unsigned int*>(pz + i * a.z.s[1]));
       }
     }
     if constexpr (RC::st) {
@@ -1738,6 +1766,9 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       const float2 mo = a.layout == 0 ? make_float2(rt_raw_f(raw.mo[0], a.mimo_o.dt),
                                                     rt_raw_f(raw.mo[1], a.mimo_o.dt))
                                       : make_float2(1.f, 1.f);
+      const float2 mz = RC::gate ? make_float2(rt_raw_f(raw.mz[0], a.mimo_z.dt),
+                                               rt_raw_f(raw.mz[1], a.mimo_z.dt))
+                                 : make_float2(1.f, 1.f);
       BB_UNROLL
       for (int k = 0; k < RC::kx; ++k) {
         const int row = r0 + k * rs;
@@ -1748,6 +1779,11 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
             o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
             o.g = mimo::bf2_f(raw.d[k]);
             if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
+            if constexpr (RC::gate) {  // z_gate2's
+              const float2 z = mimo::bf2_f(raw.z[k]);
+              const float2 gz = make_float2(silu_f(z.x * mz.x), silu_f(z.y * mz.y));
+              o.g.x *= gz.x, o.g.y *= gz.y;
+            }
           }
           dd_part += o.g.x * o.x.x;
           dd_part += o.g.y * o.x.y;
