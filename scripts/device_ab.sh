@@ -13,6 +13,7 @@
 #   ROUNDS=2         rounds, each running every build once (alternating: noise spreads evenly)
 #   HASH_SHAPES=1,3,4,9   bench/mimo_output_hashes.py shapes ("" skips the hashes)
 #   TESTS=1          gtests ('*Cuda*') and the CUDA self-check of each candidate (0: none)
+#   TEST_TAGS=X,Y    only these candidates' tests (default: every candidate)
 #   MATCH=chunk_planes    kernel name summed separately in the summary (e.g. the K3)
 # Results under $OUT (default ./ab_out): kt_<op>.jsonl, hashes.txt, gtest_<tag>.log,
 # selfcheck_<tag>.md, summary_<op>.txt; the summary of the first op is printed last.
@@ -79,7 +80,8 @@ if [ -n "$HASH_SHAPES" ]; then
 fi
 
 if [ "$TESTS" = 1 ]; then
-  for t in $tags; do
+  ttags=${TEST_TAGS:-$tags}
+  for t in ${ttags//,/ }; do
     [ "$t" = "$BASE" ] && continue
     cp "$W/lib$t.so" "$W/libmamba3.so"
     if [ -x "$W/mamba3_tests" ]; then
