@@ -7,8 +7,9 @@ excess shared-memory wavefronts (bank conflicts), per chunk when given the chunk
 
 --intervals: instead, the same totals per barrier interval (the SASS split after each BAR.SYNC
 in address order: a barrier's own wait, sampled at the instruction after it, counts in the
-interval it opens), with each interval's first and last source line: where a chunk loop's
-phases spend their samples and instructions.
+interval it opens), with each interval's line range in the source file most of its
+instructions come from (inlined helpers widen it): where a chunk loop's phases spend their
+samples and instructions.
 
 The per-instruction counters and each instruction's source line come from
 bench/ncu_source_counters.py's extract() (the line table of the cubin embedded in the report:
