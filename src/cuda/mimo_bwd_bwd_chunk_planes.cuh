@@ -1357,6 +1357,18 @@ struct CoefBlocks {
 };
 
 // smem: PlanesLayout::bytes of dynamic shared memory (16-byte aligned); kPlanesThreads threads.
+// The first thread of K3's QkGroup bulk copies (2 C R threads from it issue and wait for them):
+// from warp 4 on where the CTA has the threads, so that warps 0-3 (the stage_chunk loads) and
+// the DMIMO_V partial's warps (from the last thread down) do not also issue them, one lane at
+// a time. 0 without QkGroup (unused).
+template <class AT, int NT>
+constexpr int qk_bulk_t0() {
+  if constexpr (AT::kQkGroup != 0)
+    return NT >= 2 * AT::C * AT::R + 128 ? 128 : 0;
+  else
+    return 0;
+}
+
 template <class AT>
 BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   using mimo::SplitTile;
@@ -1708,6 +1720,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   // combined backward's cb_qk pass, folded into the DQ / DK stores; same order, same bits).
   // bh = b H + h = (b G + g) HG + hh: (b G + g) = bh / HG.
   constexpr bool QkGroup = AT::kQkGroup != 0;
+  // QkGroup's bulk copies are issued (and waited for) by threads kBulkT0 .. kBulkT0 + 2 T - 1.
+  constexpr int kBulkT0 = qk_bulk_t0<AT, NT>();
   // (Without QkGroup: the grid-stride expressions as they were, so that those copies' code does
   // not change: a next-item value kept live across phase 3 cost spills there.)
   auto first_item = [&]() -> int64_t {
@@ -2563,7 +2577,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       // barrier (a last head below loads the sums they wrote; the next copy to the same rows
       // adds after them: only threads below 2 T issue any), and every thread's writes to
       // dqh / dkh ordered before this item's copies, which read them.
-      if (tid < 2 * AT::C * AT::R) {
+      if (static_cast<unsigned>(tid - kBulkT0) < 2u * AT::C * AT::R) {
         mimo::bulk_wait();
         mimo::fence_async_global();
       }
@@ -2597,8 +2611,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     if constexpr (QkGroup) {
       // The group sums (AT::kQkGroup): the running sums of this (b, group, chunk) live in the
       // per-head dq / dk rows of the group's first head (fp32, L2-resident). Every head but the
-      // last hands its rows to the bulk copy engine (one row of N floats per thread of the first
-      // 2 TL): the first head's copied as they are, the next ones' added at L2 (each thread's
+      // last hands its rows to the bulk copy engine (one row of N floats per thread of 2 TL from
+      // kBulkT0): the first head's copied as they are, the next ones' added at L2 (each thread's
       // previous copy complete before it issues the next: bulk_wait before the barrier above,
       // so the adds keep head order). The last head loads the sums (L2), adds its rows and
       // rounds them into the caller's dq / dk [B, S, R, G, N]. The same values and order as
@@ -2613,8 +2627,9 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
                                                 (int64_t{s0} * R + row) * v.s[1]);
       };
       if (hh + 1 < a.HG) {
-        if (tid < 2 * TL) {
-          const int w = tid >= TL ? 1 : 0, row = tid - w * TL;
+        const int bt = tid - kBulkT0;
+        if (static_cast<unsigned>(bt) < static_cast<unsigned>(2 * TL)) {
+          const int w = bt >= TL ? 1 : 0, row = bt - w * TL;
           float* gp = sum_row(w ? a.dk : a.dq, row);
           const float* sp = (w ? dkh : dqh) + row * ldq;
           if (hh == 0)
