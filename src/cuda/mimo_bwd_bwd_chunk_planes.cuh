@@ -2702,26 +2702,31 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       }
       // The bias partials of this (b, h, chunk): per (rank r, column n), the sum of its dq / dk
       // over the chunk's valid steps in step order from 0 (cb_qk's segment sums of a chunk),
-      // into qk_part[w][b nch + c][r H N + h N + n].
+      // into qk_part[w][b nch + c][r H N + h N + n]. Four columns per task (float4 reads of the
+      // tile rows, one float4 store; per column the same sums in the same order as one column
+      // per task: the same bits, a quarter of the shared-memory loads).
       const int64_t seg = int64_t{b} * a.nch + c, nseg = int64_t{a.B} * a.nch;
-      for (int e = tid; e < (2 * R) << lgN; e += NT) {
-        const int w = e >> (lgR + lgN), rn = e & ((R << lgN) - 1);
-        const int r = rn >> lgN, n = rn & (N - 1);
+      const int lgQ = lgN - 2;
+      for (int e = tid; e < (2 * R) << lgQ; e += NT) {
+        const int w = e >> (lgR + lgQ), rq = e & ((R << lgQ) - 1);
+        const int r = rq >> lgQ, n = (rq & ((1 << lgQ) - 1)) * 4;
         const float* src = (w ? dkh : dqh) + r * ldq + n;
-        // In batches of up to 16 steps, each batch's loads before its adds.
-        constexpr int U = AT::C < 16 ? AT::C : 16;
-        float sum = 0.f;
+        // In batches of up to 8 steps, each batch's loads before its adds.
+        constexpr int U = AT::C < 8 ? AT::C : 8;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
         BB_UNROLL
         for (int i0 = 0; i0 < AT::C; i0 += U) {
-          float v[U];
-          BB_UNROLL
-          for (int j = 0; j < U; ++j) v[j] = src[(i0 + j) * R * ldq];
+          float4 v[U];
           BB_UNROLL
           for (int j = 0; j < U; ++j)
-            if (i0 + j < L) sum += v[j];
+            v[j] = *reinterpret_cast<const float4*>(src + (i0 + j) * R * ldq);
+          BB_UNROLL
+          for (int j = 0; j < U; ++j)
+            if (i0 + j < L) sum.x += v[j].x, sum.y += v[j].y, sum.z += v[j].z, sum.w += v[j].w;
         }
-        a.qk_part[((w * nseg + seg) * R + r) * (int64_t{a.H} << lgN) + (int64_t{h} << lgN) + n] =
-            sum;
+        *reinterpret_cast<float4*>(
+            a.qk_part + ((w * nseg + seg) * R + r) * (int64_t{a.H} << lgN) + (int64_t{h} << lgN) +
+            n) = sum;
       }
     } else if (a.dq.dt == a.dk.dt) {
       with_dtype(a.dq.dt, [&](auto otag) {
