@@ -436,13 +436,18 @@ BB_DEV float2 rank_weights(const V& w, int h, int r, int pc) {
   return make_float2(ld(w, o), ld(w, o + w.s[2]));
 }
 
+// The Z gate silu(z mz) of a pair of columns, given their z and mimo_z values.
+BB_DEV float2 z_gate_of(float2 z, float2 mz) {
+  return make_float2(silu_f(z.x * mz.x), silu_f(z.y * mz.y));
+}
+
 // z_gate of columns (pc, pc + 1) of step t, given their mimo_z pair mz (the row's rank).
 template <class AT>
 BB_DEV float2 z_gate2(const AT& a, int b, int t, int h, int pc, float2 mz) {
   const int64_t o = o4(a.z, b, t, h, pc);  // (32-bit with a CView z: ArgsCT<.., kCtCombined>)
   const float2 z = a.bf16_z_pairs ? ld2_t<bf16_t>(a.z, o, 1, true)
                                   : make_float2(ld(a.z, o), ld(a.z, o + a.z.s[3]));
-  return make_float2(silu_f(z.x * mz.x), silu_f(z.y * mz.y));
+  return z_gate_of(z, mz);
 }
 
 // The rank weights of a pair_rows<U, NT> loop over [T][P] rows (row = i R + r): a thread's rows
@@ -1793,9 +1798,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
             o.x = make_float2(vv.x * mv.x, vv.y * mv.y);
             o.g = mimo::bf2_f(raw.d[k]);
             if (a.layout == 0) o.g.x *= mo.x, o.g.y *= mo.y;
-            if constexpr (RC::gate) {  // z_gate2's
-              const float2 z = mimo::bf2_f(raw.z[k]);
-              const float2 gz = make_float2(silu_f(z.x * mz.x), silu_f(z.y * mz.y));
+            if constexpr (RC::gate) {  // as xg_rows' gated rows
+              const float2 gz = z_gate_of(mimo::bf2_f(raw.z[k]), mz);
               o.g.x *= gz.x, o.g.y *= gz.y;
             }
           }
