@@ -31,9 +31,12 @@
 // of the grid gets 4 CTAs per (b, h): 256 CTAs at B4 H16, two of 8 warps per SM (264 slots on
 // 132 SMs: one wave; 8 CTAs per (b, h) at N256 made two). The q rows of a block are loaded
 // once; dout rows are loaded by each of the N / 2 NBP blocks of a column block (cheap: C P per
-// chunk against C R N of q). A q task is one step, rank and column pair (every thread has rows
-// at every shape; with the ranks inside a task, at C8 a quarter of the threads had rows to form
-// and the rest waited at the barrier); its sin / cos come from a (sin, cos) table of the chunk,
+// chunk against C R N of q). With the combined backward's Z gate each of those blocks also
+// forms the gated rows (a silu per element of T x Pb): there N128 P128 takes 2 row blocks by 2
+// column blocks instead of 4 by 1 (ChainSplit's Gate; measured slower at the other shapes).
+// A q task is one step, rank and column pair (every thread has rows at every shape; with the
+// ranks inside a task, at C8 a quarter of the threads had rows to form and the rest waited at
+// the barrier); its sin / cos come from a (sin, cos) table of the chunk,
 // written one chunk ahead by one sincosf per angle (tasks of one rank each that called sincosf
 // themselves measured slower: R times the sincosf).
 //
@@ -54,13 +57,20 @@ namespace mamba3::cuda::bb {
 
 constexpr int kChainThreads = 256;
 
-// The block split of shape (N, P) (see the top of this file).
-template <int N, int P>
+// The block split of shape (N, P) (see the top of this file). Gate (the combined backward's
+// gated dPhiO rows, a silu per element, formed by every row block of a column block): at
+// P >= 128 with 4 row blocks, 2 row blocks by 2 column blocks of P / 2 >= 64 columns, so that
+// each CTA forms half as many gated rows and twice as many q rows (still 4 CTAs per (b, h)).
+// Measured (H200, session 32, the combined op's chain, ms): N128 P128 C8 0.825 -> 0.757; with
+// narrower column blocks it lost: N128 P64 R4 C16 0.380 -> 0.403, P32 0.256 -> 0.334, N256 C8
+// 0.766 -> 0.904, R8 C8 0.779 -> 0.866, R2 C32 0.211 -> 0.224, R1 C64 0.132 -> 0.142.
+template <int N, int P, bool Gate = false>
 struct ChainSplit {
   static constexpr int half = N / 2;
   // Pair columns (n, half + n) per block: 16, or half / 4 at N256, so that every (b, h) has 4
   // row blocks at most (8 at N256 made 512 CTAs, two waves of the 264 slots).
-  static constexpr int NBP = half < 16 ? half : half / 4 > 16 ? half / 4 : 16;
+  static constexpr int NBP0 = half < 16 ? half : half / 4 > 16 ? half / 4 : 16;
+  static constexpr int NBP = Gate && half / NBP0 == 4 && P >= 128 ? 2 * NBP0 : NBP0;
   static constexpr int Nb = 2 * NBP;                 // dS rows per block
   static constexpr int nNb = half / NBP;             // row blocks
   static constexpr int nPb0 = nNb >= 4 ? 1 : 4 / nNb;
@@ -75,25 +85,25 @@ struct ChainSplit {
 // Shared memory of the chain kernel (bytes): two buffers of the EQ [T][ldNb] and G [T][ldPb]
 // hi/lo planes, then the block's q_bias [R][Nb], mimo_o [R][Pb] and mimo_z [R][Pb] (fp32), then
 // two chunks' (sin, cos) tables [C][NBP] (float2).
-template <int N, int P, int R, int C>
+template <int N, int P, int R, int C, bool Gate>
 constexpr int chain_smem_bytes() {
-  using S = ChainSplit<N, P>;
+  using S = ChainSplit<N, P, Gate>;
   constexpr int T = C * R;
   return 2 * (2 * T * S::ldNb + 2 * T * S::ldPb) * 2 + (R * S::Nb + 2 * R * S::Pb) * 4 +
          2 * C * S::NBP * 8;
 }
 
 // One CTA per (b, h, row block, column block): blocks() of them per (b, h).
-template <int N, int P>
+template <int N, int P, bool Gate>
 constexpr int chain_blocks_per_bh() {
-  return ChainSplit<N, P>::nNb * ChainSplit<N, P>::nPb;
+  return ChainSplit<N, P, Gate>::nNb * ChainSplit<N, P, Gate>::nPb;
 }
 
 template <class AT>
 BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   constexpr int NT = kChainThreads;
   constexpr int N = AT::N, P = AT::P, R = AT::R, C = AT::C, A = AT::A, T = C * R;
-  using S = ChainSplit<N, P>;
+  using S = ChainSplit<N, P, AT::gate != 0>;
   constexpr int NBP = S::NBP, Nb = S::Nb, Pb = S::Pb, half = S::half;
   constexpr int ldNb = S::ldNb, ldPb = S::ldPb;
   // q tasks: (step i, rank r, pair j) with columns n0 + 2j, n0 + 2j + 1 and their partners;

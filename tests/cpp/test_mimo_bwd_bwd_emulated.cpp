@@ -121,10 +121,11 @@ bool launch_chain_ct(const bb::Args& a) {
   if (a.N != N || a.P != P || a.R != R || a.C != C || a.A != N / 4) return false;
   const bb::CtSet set = ct_set(a);
   if (set == bb::kCtShape) return false;
-  std::vector<unsigned char> smem(bb::chain_smem_bytes<N, P, R, C>(), 0xff);
-  const int64_t grid = int64_t{a.B} * a.H * bb::chain_blocks_per_bh<N, P>();
   auto run = [&](auto cl) {
-    auto s = std::make_unique<bb::ArgsCT<N, P, R, C, decltype(cl)::value>>();
+    using AT = bb::ArgsCT<N, P, R, C, decltype(cl)::value>;
+    std::vector<unsigned char> smem(bb::chain_smem_bytes<N, P, R, C, AT::gate != 0>(), 0xff);
+    const int64_t grid = int64_t{a.B} * a.H * bb::chain_blocks_per_bh<N, P, AT::gate != 0>();
+    auto s = std::make_unique<AT>();
     s->set(a);
     launch(grid, bb::kChainThreads, [&] { bb::state_chain_body(*s, smem.data()); });
   };
@@ -165,7 +166,7 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
   if (chain) {
     ASSERT_TRUE((launch_chain_ct<128, 64, 4, 16>(a) || launch_chain_ct<256, 64, 4, 8>(a) ||
                  launch_chain_ct<64, 128, 4, 16>(a) || launch_chain_ct<128, 64, 2, 32>(a) ||
-                 launch_chain_ct<128, 64, 1, 64>(a)))
+                 launch_chain_ct<128, 64, 1, 64>(a) || launch_chain_ct<128, 128, 4, 8>(a)))
         << "no state chain kernel of this shape and layout in the test";
   } else if (pl.grid1 > 0 && pl.planes) {
     std::vector<unsigned char> smem(static_cast<size_t>(pl.ply.inc_bytes), 0xff);
@@ -177,7 +178,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
                    launch_planes_ct<256, 64, 4, 8>(a, pl.grid1, sm, shape_only, true) ||
                    launch_planes_ct<128, 64, 2, 32>(a, pl.grid1, sm, shape_only, true) ||
                    launch_planes_ct<64, 128, 4, 16>(a, pl.grid1, sm, shape_only, true) ||
-                   launch_planes_ct<128, 64, 1, 64>(a, pl.grid1, sm, shape_only, true)))
+                   launch_planes_ct<128, 64, 1, 64>(a, pl.grid1, sm, shape_only, true) ||
+                   launch_planes_ct<128, 128, 4, 8>(a, pl.grid1, sm, shape_only, true)))
           << "no specialised K1 of this shape in the test";
     } else {
       launch(pl.grid1, bb::kIncPlanesThreads,
@@ -206,7 +208,8 @@ void emulate(const mamba3::MimoBwdBwdParams& p, int64_t max_slots, K3 k3,
                    launch_planes_ct<256, 64, 4, 8>(a, grid, smem.data(), shape_only) ||
                    launch_planes_ct<128, 64, 2, 32>(a, grid, smem.data(), shape_only) ||
                    launch_planes_ct<64, 128, 4, 16>(a, grid, smem.data(), shape_only) ||
-                   launch_planes_ct<128, 64, 1, 64>(a, grid, smem.data(), shape_only)))
+                   launch_planes_ct<128, 64, 1, 64>(a, grid, smem.data(), shape_only) ||
+                   launch_planes_ct<128, 128, 4, 8>(a, grid, smem.data(), shape_only)))
           << "no specialised K3 of this shape in the test";
     } else {
       launch(grid, bb::kPlanesThreads, [&] { bb::chunk_planes_body(a, smem.data()); });
@@ -651,6 +654,9 @@ TEST(MimoBwdBwdEmulated, PlanesKernelCombinedLayoutGivesIdenticalBits) {
   check_contiguous({1, 20, 2, 2, 256, 64, 4, 8, 4, kReduceO, false, 0, BF, BF}, true, 522, 3);
   check_contiguous({1, 37, 2, 1, 64, 128, 4, 16, 4, kReduceO, true, 0, BF, BF}, true, 523, 2);
   check_contiguous({1, 140, 1, 1, 128, 64, 1, 64, 4, kReduceO, true, 0, BF, BF}, true, 524, 2);
+  // N128 P128 C8: the gated chain's 2 x 2 block split (bb::ChainSplit's Gate); three chunks,
+  // the last partial.
+  check_contiguous({1, 21, 2, 1, 128, 128, 4, 8, 4, kReduceO, true, 0, BF, BF}, true, 525, 2);
 }
 
 // The planes kernel walks several chunks per CTA (the device launches one CTA per SM; here 3)
