@@ -128,8 +128,8 @@ ChainKernel ct_chain_entry() {
                bb_state_chain_ct_kernel<N, P, R, C, CL>
                    <<<grid, nt, smem, st>>>(ct_args<N, P, R, C, CL>(a));
              }},
-            chain_smem_bytes<N, P, R, C, ArgsCT<N, P, R, C, CL>::gate != 0>(),
-            chain_blocks_per_bh<N, P, ArgsCT<N, P, R, C, CL>::gate != 0>()};
+            chain_smem_bytes<ArgsCT<N, P, R, C, CL>>(),
+            chain_blocks_per_bh<ArgsCT<N, P, R, C, CL>>()};
   }
 }
 

@@ -82,28 +82,32 @@ struct ChainSplit {
   static_assert(Nb % 16 == 0 && Pb % 16 == 0, "whole 16 x 16 tiles");
 };
 
+// The split of the chain kernel of parameter block AT (ArgsCT<N, P, R, C, CL>).
+template <class AT>
+using ChainSplitOf = ChainSplit<AT::N, AT::P, AT::gate != 0>;
+
 // Shared memory of the chain kernel (bytes): two buffers of the EQ [T][ldNb] and G [T][ldPb]
 // hi/lo planes, then the block's q_bias [R][Nb], mimo_o [R][Pb] and mimo_z [R][Pb] (fp32), then
 // two chunks' (sin, cos) tables [C][NBP] (float2).
-template <int N, int P, int R, int C, bool Gate>
+template <class AT>
 constexpr int chain_smem_bytes() {
-  using S = ChainSplit<N, P, Gate>;
-  constexpr int T = C * R;
+  using S = ChainSplitOf<AT>;
+  constexpr int R = AT::R, C = AT::C, T = C * R;
   return 2 * (2 * T * S::ldNb + 2 * T * S::ldPb) * 2 + (R * S::Nb + 2 * R * S::Pb) * 4 +
          2 * C * S::NBP * 8;
 }
 
 // One CTA per (b, h, row block, column block): blocks() of them per (b, h).
-template <int N, int P, bool Gate>
+template <class AT>
 constexpr int chain_blocks_per_bh() {
-  return ChainSplit<N, P, Gate>::nNb * ChainSplit<N, P, Gate>::nPb;
+  return ChainSplitOf<AT>::nNb * ChainSplitOf<AT>::nPb;
 }
 
 template <class AT>
 BB_DEV void state_chain_body(const AT& a, unsigned char* smem) {
   constexpr int NT = kChainThreads;
   constexpr int N = AT::N, P = AT::P, R = AT::R, C = AT::C, A = AT::A, T = C * R;
-  using S = ChainSplit<N, P, AT::gate != 0>;
+  using S = ChainSplitOf<AT>;
   constexpr int NBP = S::NBP, Nb = S::Nb, Pb = S::Pb, half = S::half;
   constexpr int ldNb = S::ldNb, ldPb = S::ldPb;
   // q tasks: (step i, rank r, pair j) with columns n0 + 2j, n0 + 2j + 1 and their partners;

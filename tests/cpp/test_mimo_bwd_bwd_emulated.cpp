@@ -123,8 +123,8 @@ bool launch_chain_ct(const bb::Args& a) {
   if (set == bb::kCtShape) return false;
   auto run = [&](auto cl) {
     using AT = bb::ArgsCT<N, P, R, C, decltype(cl)::value>;
-    std::vector<unsigned char> smem(bb::chain_smem_bytes<N, P, R, C, AT::gate != 0>(), 0xff);
-    const int64_t grid = int64_t{a.B} * a.H * bb::chain_blocks_per_bh<N, P, AT::gate != 0>();
+    std::vector<unsigned char> smem(bb::chain_smem_bytes<AT>(), 0xff);
+    const int64_t grid = int64_t{a.B} * a.H * bb::chain_blocks_per_bh<AT>();
     auto s = std::make_unique<AT>();
     s->set(a);
     launch(grid, bb::kChainThreads, [&] { bb::state_chain_body(*s, smem.data()); });
