@@ -354,7 +354,7 @@ BB_DEV float silu_f(float u) {
 #if defined(__CUDA_ARCH__)
   return __fdividef(u, 1.f + expf(-u));
 #else
-  return u / (1.f + expf(-u));  // the host emulation (no gate case is emulated)
+  return u / (1.f + expf(-u));  // the host emulation (its combined tests): exact division
 #endif
 }
 
