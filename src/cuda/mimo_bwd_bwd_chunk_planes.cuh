@@ -2579,8 +2579,8 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     if constexpr (QkGroup) {
       // The bulk copies of this thread's previous item complete and ordered before the
       // barrier (a last head below loads the sums they wrote; the next copy to the same rows
-      // adds after them: only threads below 2 T issue any), and every thread's writes to
-      // dqh / dkh ordered before this item's copies, which read them.
+      // adds after them: only threads kBulkT0 .. kBulkT0 + 2 T - 1 issue any), and every
+      // thread's writes to dqh / dkh ordered before this item's copies, which read them.
       if (static_cast<unsigned>(tid - kBulkT0) < 2u * AT::C * AT::R) {
         mimo::bulk_wait();
         mimo::fence_async_global();
@@ -2708,7 +2708,9 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
       // over the chunk's valid steps in step order from 0 (cb_qk's segment sums of a chunk),
       // into qk_part[w][b nch + c][r H N + h N + n]. Four columns per task (float4 reads of the
       // tile rows, one float4 store; per column the same sums in the same order as one column
-      // per task: the same bits, a quarter of the shared-memory loads).
+      // per task: the same bits, a quarter of the shared-memory loads). 16-byte aligned: the
+      // tile rows (ldq floats apart), and qk_part, a kAlign-aligned piece of the workspace.
+      static_assert((AT::N + kPlanesPad) % 4 == 0, "float4 rows of dqh / dkh");
       const int64_t seg = int64_t{b} * a.nch + c, nseg = int64_t{a.B} * a.nch;
       const int lgQ = lgN - 2;
       for (int e = tid; e < (2 * R) << lgQ; e += NT) {
