@@ -349,10 +349,10 @@ BB_DEV float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
 // silu(u) = u / (1 + e^-u) with the approximate division (~2 ulp; in the planes K3 the IEEE
 // division's slow-path call made ptxas spill at its 128 registers) and the approximate
-// exponential (ex2.approx of u log2 e, as the first pass's lean_gate: a few ulp more for large
-// |u|; expf's range reduction was ~6 more instructions per gate value, which the state chain
-// forms once per row block). Its error, ~1e-6 relative at worst, is below the ~2^-17 of the
-// bf16 hi/lo products that consume it.
+// exponential (ex2.approx of u log2 e, as the first pass's lean_gate; expf's range reduction
+// was ~11 more SASS instructions per gate value, which the state chain forms once per row
+// block). Its error, ~1e-6 relative at worst (|u| <= 16), is below the ~2^-17 of the bf16
+// hi/lo products that consume it.
 BB_DEV float silu_f(float u) {
 #if defined(__CUDA_ARCH__)
   return __fdividef(u, 1.f + __expf(-u));
