@@ -141,6 +141,14 @@ struct Buf {
   float rs;
 };
 
+// The streamed rows (dq_in, dk_in, angles: read once) bypass L1 (`L1::no_allocate`), so that L1
+// keeps the q / k rows, which every warp of the CTA reads again for its heads. The kernel is
+// sensitive to that: with its carveout at maximum shared memory (28 KB of L1) it took ~10% longer
+// at B4 / B8 (docs/PERF.md, session 36).
+__device__ __forceinline__ void ld_stream8(const void* p, uint32_t* w) {
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+}
+
 template <int N>
 __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l, const Pos& p,
                                           Buf& u) {
@@ -149,11 +157,11 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
   ld_global_words<8>(a.q + p.oq + kH, u.q + 2);
   ld_global_words<8>(a.k + p.oq, u.k);
   ld_global_words<8>(a.k + p.oq + kH, u.k + 2);
-  ld_global_words<8>(a.dqi + p.og, u.x);
-  ld_global_words<8>(a.dqi + p.og + kH, u.x + 2);
-  ld_global_words<8>(a.dki + p.og, u.y);
-  ld_global_words<8>(a.dki + p.og + kH, u.y + 2);
-  ld_global_words<8>(a.ang + p.oa, u.an);
+  ld_stream8(a.dqi + p.og, u.x);
+  ld_stream8(a.dqi + p.og + kH, u.x + 2);
+  ld_stream8(a.dki + p.og, u.y);
+  ld_stream8(a.dki + p.og + kH, u.y + 2);
+  ld_stream8(a.ang + p.oa, u.an);
   u.rs = __ldg(l.rs + p.os);
 }
 
