@@ -141,15 +141,18 @@ struct Buf {
   float rs;
 };
 
-// The streamed rows (dq_in, dk_in, angles: read once) bypass L1 (`L1::no_allocate`), so that L1
-// keeps the q / k rows, which every warp of the CTA reads again for its heads. The kernel is
-// sensitive to that: with its carveout at maximum shared memory (28 KB of L1) it took ~10% longer
-// at B4 / B8 (docs/PERF.md, session 36).
-__device__ __forceinline__ void ld_stream8(const void* p, uint32_t* w) {
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+// The whole-group walk loads its streamed rows (dq_in, dk_in, angles: read once) with
+// `L1::no_allocate`: GQA 19.5 -> 17.2 us on an H100. The block walk keeps the default loads, as
+// the same change there cost 1.5% at B4 / B8 (it gained 16% at B1; docs/PERF.md, session 36).
+template <bool kNA>
+__device__ __forceinline__ void ld_row8(const void* p, uint32_t* w) {
+  if constexpr (kNA)
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+  else
+    ld_global_words<8>(p, w);
 }
 
-template <int N>
+template <int N, bool kNA>
 __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l, const Pos& p,
                                           Buf& u) {
   constexpr int kH = N / 2 * 2;  // byte offset of run 1
@@ -157,11 +160,11 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
   ld_global_words<8>(a.q + p.oq + kH, u.q + 2);
   ld_global_words<8>(a.k + p.oq, u.k);
   ld_global_words<8>(a.k + p.oq + kH, u.k + 2);
-  ld_stream8(a.dqi + p.og, u.x);
-  ld_stream8(a.dqi + p.og + kH, u.x + 2);
-  ld_stream8(a.dki + p.og, u.y);
-  ld_stream8(a.dki + p.og + kH, u.y + 2);
-  ld_stream8(a.ang + p.oa, u.an);
+  ld_row8<kNA>(a.dqi + p.og, u.x);
+  ld_row8<kNA>(a.dqi + p.og + kH, u.x + 2);
+  ld_row8<kNA>(a.dki + p.og, u.y);
+  ld_row8<kNA>(a.dki + p.og + kH, u.y + 2);
+  ld_row8<kNA>(a.ang + p.oa, u.an);
   u.rs = __ldg(l.rs + p.os);
 }
 
@@ -386,16 +389,16 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int r0 = static_cast<int>(static_cast<int64_t>(a.rows) * gw / nw);
     const int r1 = static_cast<int>(static_cast<int64_t>(a.rows) * (gw + 1) / nw);
     Pos P0 = pos_of(r0, r1, a, lp.o);
-    load_unit<N>(a, lp, P0, A);
+    load_unit<N, true>(a, lp, P0, A);
     fill_bias_table();  // while those loads are in flight
     int row = r0;
     if constexpr (kDepth == 3) {
       Pos P1 = pos_next(P0, r0 + 1, r1, a);
-      load_unit<N>(a, lp, P1, B);
+      load_unit<N, true>(a, lp, P1, B);
       // Row `row`: load row + 2 into `fill`, compute `row` from `use`.
       auto step = [&](const Buf& use, Buf& fill) {
         const Pos P2 = pos_next(P1, row + 2, r1, a);
-        load_unit<N>(a, lp, P2, fill);
+        load_unit<N, true>(a, lp, P2, fill);
         float v[16];
         compute(P0, use, v);
         store_whole(P0, v);
@@ -415,7 +418,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       // Two-deep: row `row` computed while row + 1 loads.
       auto step = [&](const Buf& use, Buf& fill) {
         const Pos P1 = pos_next(P0, row + 1, r1, a);
-        load_unit<N>(a, lp, P1, fill);
+        load_unit<N, true>(a, lp, P1, fill);
         float v[16];
         compute(P0, use, v);
         store_whole(P0, v);
@@ -432,7 +435,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int stride = static_cast<int>(gridDim.x);
     int blk = blockIdx.x;
     Pos P = pos_of(blk * PB + wr * kUnits, a.rows, a, lp.o);
-    load_unit<N>(a, lp, P, A);
+    load_unit<N, false>(a, lp, P, A);
     for (; blk < a.nblk; blk += stride) {
       const int row0 = blk * PB + wr * kUnits;
       // The warp's units of this block all in the batch row of unit 0 and before the end (the
@@ -455,7 +458,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
           Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a.rows,
                       a, lp.o);
         }
-        load_unit<N>(a, lp, Pn, fill);
+        load_unit<N, false>(a, lp, Pn, fill);
         float v[16];
         compute(P, use, v);
         stage_terms(wr * kUnits + i, P, v);
