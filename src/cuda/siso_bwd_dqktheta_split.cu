@@ -143,7 +143,10 @@ struct Buf {
 
 // The whole-group walk loads its streamed rows (dq_in, dk_in, angles: read once) with
 // `L1::no_allocate`: GQA 19.5 -> 17.2 us on an H100. The block walk keeps the default loads, as
-// the same change there cost 1.5% at B4 / B8 (it gained 16% at B1; docs/PERF.md, session 36).
+// the same change there cost 1.6-1.7% at B4 / B8 (it gained 16% at B1; docs/PERF.md, session 36).
+// The asm is not volatile, so the compiler schedules it as it does __ldg: the inputs are
+// read-only while the kernel runs. A kernel that waits for a previous one before its loads
+// (pdl_wait) would need it volatile, or it could be moved above the wait.
 template <bool kNA>
 __device__ __forceinline__ void ld_row8(const void* p, uint32_t* w) {
   if constexpr (kNA)
