@@ -171,7 +171,8 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
   u.rs = __ldg(l.rs + p.os);
 }
 
-// kDepth 0: the block walk, head terms summed in shared memory, two-deep pipeline. kDepth 2 or 3:
+// kDepth 0: the block walk, head terms summed in shared memory, two-deep pipeline (1: the same
+// with no-allocate loads, A/B only). kDepth 2 or 3:
 // every warp holds all heads of the group (WH = 1): dq/dk summed across the warp's rows, each warp
 // walks a contiguous range of rows with a kDepth-deep pipeline. kDok (block walk): d_ok_state
 // given, a compile-time flag (without it no per-position test). The whole-group walk is only
@@ -180,7 +181,8 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
 template <class Tg, int N, int kDepth, bool kDok>
 __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant__ SplitArgs a) {
   using E = Elem<Tg>;
-  constexpr bool kWhole = kDepth > 0;
+  constexpr bool kWhole = kDepth >= 2;
+  constexpr bool kBlockNA = kDepth == 1;  // A/B: the block walk with no-allocate loads
   constexpr int LPR = N / 8, HR = 32 / LPR;
   constexpr int N4 = N / 4;  // float4 per (position, q|k) row of the head terms
   extern __shared__ __align__(16) float smem[];
@@ -292,7 +294,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       if (i < 2) dan[i] = pt.dan;
     }
     // d_ok_state enters dk (and so dk_bias and dangles) at a sequence's last position.
-    if (kDok && (kDepth == 0 || a.has_dok) && p.val) {
+    if (kDok && (!kWhole || a.has_dok) && p.val) {
       int dseq = -1;
       if (!a.varlen) {
         if (p.s == a.S - 1) dseq = p.b;
@@ -438,7 +440,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int stride = static_cast<int>(gridDim.x);
     int blk = blockIdx.x;
     Pos P = pos_of(blk * PB + wr * kUnits, a.rows, a, lp.o);
-    load_unit<N, false>(a, lp, P, A);
+    load_unit<N, kBlockNA>(a, lp, P, A);
     for (; blk < a.nblk; blk += stride) {
       const int row0 = blk * PB + wr * kUnits;
       // The warp's units of this block all in the batch row of unit 0 and before the end (the
@@ -461,7 +463,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
           Pn = pos_of(blk + stride < a.nblk ? (blk + stride) * PB + wr * kUnits : a.rows, a.rows,
                       a, lp.o);
         }
-        load_unit<N, false>(a, lp, Pn, fill);
+        load_unit<N, kBlockNA>(a, lp, Pn, fill);
         float v[16];
         compute(P, use, v);
         stage_terms(wr * kUnits + i, P, v);
@@ -606,13 +608,17 @@ SplitKernel prepared_at(int device, size_t smem) {
   return dqk_split_kernel<Tg, N, kDepth, kDok>;
 }
 
-// depth: 0 the block walk; 2 or 3 the whole-group walk (d_ok_state tested at run time),
+// depth: 0 the block walk (1: with no-allocate loads, A/B); 2 or 3 the whole-group walk
+// (d_ok_state tested at run time),
 // three-deep for bf16 only (f16 spilled).
 template <class Tg, int N>
 SplitKernel prepared(int depth, bool dok, int device, size_t smem) {
   if (depth == 0)
     return dok ? prepared_at<Tg, N, 0, true>(device, smem)
                : prepared_at<Tg, N, 0, false>(device, smem);
+  if (depth == 1)
+    return dok ? prepared_at<Tg, N, 1, true>(device, smem)
+               : prepared_at<Tg, N, 1, false>(device, smem);
   if constexpr (std::is_same<Tg, __nv_bfloat16>::value)
     if (depth == 3) return prepared_at<Tg, N, 3, true>(device, smem);
   return prepared_at<Tg, N, 2, true>(device, smem);
@@ -697,7 +703,13 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
     const char* v = std::getenv("MAMBA3_DQK_WHOLE_DEPTH");
     return v && v[0] == '2' ? 2 : 3;
   }();
-  const int depth = WH == 1 ? kWholeDepth : 0;
+  // MAMBA3_DQK_NA_BLOCKS=k (A/B only): the block walk with no-allocate loads when a CTA walks at
+  // most k blocks (session 36: B1, ~4 blocks per CTA, -16%; B4 / B8 +1.6%).
+  static const int64_t kNaBlocks = [] {
+    const char* v = std::getenv("MAMBA3_DQK_NA_BLOCKS");
+    return v ? static_cast<int64_t>(std::atoll(v)) : int64_t{0};
+  }();
+  const int depth = WH == 1 ? kWholeDepth : ((nblk + ctas - 1) / ctas <= kNaBlocks ? 1 : 0);
   const bool dok = p.has_dok != 0;
   const SplitKernel kern =
       tg == DType::BF16
