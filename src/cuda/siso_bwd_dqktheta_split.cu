@@ -172,7 +172,7 @@ __device__ __forceinline__ void load_unit(const SplitArgs& a, const LanePtrs& l,
 }
 
 // kDepth 0: the block walk, head terms summed in shared memory, two-deep pipeline (1: the same
-// with no-allocate loads, A/B only). kDepth 2 or 3:
+// with no-allocate loads, for grids whose CTAs walk few blocks). kDepth 2 or 3:
 // every warp holds all heads of the group (WH = 1): dq/dk summed across the warp's rows, each warp
 // walks a contiguous range of rows with a kDepth-deep pipeline. kDok (block walk): d_ok_state
 // given, a compile-time flag (without it no per-position test). The whole-group walk is only
@@ -182,7 +182,7 @@ template <class Tg, int N, int kDepth, bool kDok>
 __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant__ SplitArgs a) {
   using E = Elem<Tg>;
   constexpr bool kWhole = kDepth >= 2;
-  constexpr bool kBlockNA = kDepth == 1;  // A/B: the block walk with no-allocate loads
+  constexpr bool kBlockNA = kDepth == 1;  // the block walk with no-allocate loads
   constexpr int LPR = N / 8, HR = 32 / LPR;
   constexpr int N4 = N / 4;  // float4 per (position, q|k) row of the head terms
   extern __shared__ __align__(16) float smem[];
@@ -608,9 +608,8 @@ SplitKernel prepared_at(int device, size_t smem) {
   return dqk_split_kernel<Tg, N, kDepth, kDok>;
 }
 
-// depth: 0 the block walk (1: with no-allocate loads, A/B); 2 or 3 the whole-group walk
-// (d_ok_state tested at run time),
-// three-deep for bf16 only (f16 spilled).
+// depth: 0 the block walk (1: with no-allocate loads); 2 or 3 the whole-group walk (d_ok_state
+// tested at run time), three-deep for bf16 only (f16 spilled).
 template <class Tg, int N>
 SplitKernel prepared(int depth, bool dok, int device, size_t smem) {
   if (depth == 0)
@@ -703,13 +702,16 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
     const char* v = std::getenv("MAMBA3_DQK_WHOLE_DEPTH");
     return v && v[0] == '2' ? 2 : 3;
   }();
-  // MAMBA3_DQK_NA_BLOCKS=k (A/B only): the block walk with no-allocate loads when a CTA walks at
-  // most k blocks (session 36: B1, ~4 blocks per CTA, -16%; B4 / B8 +1.6%).
-  static const int64_t kNaBlocks = [] {
+  // The block walk loads its streamed rows with L1::no_allocate when a CTA walks at most
+  // kNaMaxBlocks blocks. Measured (H100, session 37, same bits): ~4 blocks per CTA (B=1 S=2048
+  // H=32 N=128) -16%, ~8 (B=2) -5%; ~16 and ~62 (B=4, B=8) unchanged under this bound, 1.6-1.8%
+  // slower with the loads at every count. Why few blocks gain is not yet profiled.
+  // MAMBA3_DQK_NA_BLOCKS=k sets the bound (A/B; 0 = never).
+  static const int64_t kNaMaxBlocks = [] {
     const char* v = std::getenv("MAMBA3_DQK_NA_BLOCKS");
-    return v ? static_cast<int64_t>(std::atoll(v)) : int64_t{0};
+    return v ? static_cast<int64_t>(std::atoll(v)) : int64_t{8};
   }();
-  const int depth = WH == 1 ? kWholeDepth : ((nblk + ctas - 1) / ctas <= kNaBlocks ? 1 : 0);
+  const int depth = WH == 1 ? kWholeDepth : ((nblk + ctas - 1) / ctas <= kNaMaxBlocks ? 1 : 0);
   const bool dok = p.has_dok != 0;
   const SplitKernel kern =
       tg == DType::BF16
