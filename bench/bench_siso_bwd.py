@@ -7,7 +7,11 @@ Measured per operator and shape:
   trial first enqueues a GPU sleep long enough for the host to enqueue all `reps` calls, so the
   kernels run back to back without host gaps and the events measure device time only. Inputs
   rotate among 3 independent copies (so that inputs that fit in L2, as the ddt operator's do, are
-  not served from L2 by the previous call).
+  not served from L2 by the previous call), and so do the outputs: each call's outputs are kept
+  until the call three later (otherwise the caching allocator gives every call the same output
+  memory, whose lines the previous call left in L2, and small shapes' writes never reach DRAM:
+  in session 37 a load-policy change measured 12-16% faster that way and 2% faster to 4% slower
+  with rotating outputs; docs/PERF.md).
 - End-to-end time: wall clock per call through the Python function, median over batches of
   `reps` calls, with a device synchronisation at the end of each batch (host overhead included).
 - Bytes: every input read once plus every output written once; achieved bandwidth as a fraction
@@ -189,7 +193,21 @@ def copy_ceiling_gbps(cfg, cycles_per_ms):
     return 2 * n / (ms * 1e-3) / 1e9, ms
 
 
+def keeping_outputs(fn, n):
+    """fn, with each call's result kept alive until n calls later (outputs rotate among n + 1
+    buffers instead of reusing one)."""
+    ring, calls = [None] * n, [0]
+
+    def kept(s):
+        out = fn(s)
+        ring[calls[0] % n] = out
+        calls[0] += 1
+        return out
+    return kept
+
+
 def measure(fn, sets, cfg, cycles_per_ms):
+    fn = keeping_outputs(fn, len(sets))
     for i in range(cfg.warmup):
         fn(sets[i % len(sets)])
     torch.cuda.synchronize()

@@ -5,7 +5,12 @@ CUDA events around 30 back-to-back calls after a GPU sleep (no host gaps timed),
 among 3 copies, median of 7 trials; the benchmark's shapes (bench_siso_bwd.py) plus B1 / B2.
 Usage: MAMBA3_LIBRARY=<lib> python bench/dqktheta_ab.py TAG B4,B8,GQA
 Prints "AB TAG SHAPE <median> us (min <min>)" per shape; run the builds alternately.
+Each call's outputs are kept alive until the call three later, so that the outputs too rotate
+among distinct buffers, as in bench_siso_bwd.py; KEEP=0 lets the caching allocator hand every
+call the same output memory (the previous call's lines may still be in L2: those writes then
+never reach DRAM; sessions 36-37 measured that way).
 """
+import os
 import statistics
 import sys
 
@@ -25,9 +30,14 @@ def main():
     tag, names = sys.argv[1], sys.argv[2].split(",")
     for name in names:
         sets = [bs.dqktheta_inputs(*SHAPES[name], seed) for seed in range(3)]
-        f = lambda s: siso.compute_dqktheta(*(s[k] for k in bs.DQK_ORDER))  # noqa: E731
+        keep = None if os.environ.get("KEEP") == "0" else [None] * 3
+
+        def f(s, i=0):
+            out = siso.compute_dqktheta(*(s[k] for k in bs.DQK_ORDER))
+            if keep is not None:
+                keep[i % 3] = out
         for i in range(5):
-            f(sets[i % 3])
+            f(sets[i % 3], i)
         torch.cuda.synchronize()
         ts = []
         for _ in range(7):
@@ -36,7 +46,7 @@ def main():
             torch.cuda._sleep(20_000_000)
             e0.record()
             for i in range(30):
-                f(sets[i % 3])
+                f(sets[i % 3], i)
             e1.record()
             e1.synchronize()
             ts.append(e0.elapsed_time(e1) / 30 * 1e3)

@@ -141,9 +141,14 @@ struct Buf {
   float rs;
 };
 
-// The whole-group walk loads its streamed rows (dq_in, dk_in, angles: read once) with
-// `L1::no_allocate`: GQA 19.5 -> 17.2 us on an H100. The block walk keeps the default loads, as
-// the same change there cost 1.6-1.7% at B4 / B8 (it gained 16% at B1; docs/PERF.md, session 36).
+// `L1::no_allocate` loads for the streamed rows (dq_in, dk_in, angles: read once), taken by the
+// block walk only when a CTA walks few blocks (run_split). Measured on an H100 with each call's
+// outputs in fresh memory (session 37): B1 (4 blocks per CTA) -2.1%, B2 (8) +0.2%, the
+// whole-group walk at GQA +4.2%; B4 / B8 (16, 62 blocks) +1.6% (session 36, where the outputs'
+// memory made no difference). When every call writes the same output memory
+// (a loop over one shape, as the caching allocator serves it) they looked 12-16% faster at GQA
+// and B1: the previous call's outputs then stay in L2 and are overwritten there, never written
+// back; these loads only shifted which lines L2 kept (docs/PERF.md, session 37).
 // The asm is not volatile, so the compiler schedules it as it does __ldg: the inputs are
 // read-only while the kernel runs. A kernel that waits for a previous one before its loads
 // (pdl_wait) would need it volatile, or it could be moved above the wait.
@@ -394,16 +399,16 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
     const int r0 = static_cast<int>(static_cast<int64_t>(a.rows) * gw / nw);
     const int r1 = static_cast<int>(static_cast<int64_t>(a.rows) * (gw + 1) / nw);
     Pos P0 = pos_of(r0, r1, a, lp.o);
-    load_unit<N, true>(a, lp, P0, A);
+    load_unit<N, false>(a, lp, P0, A);
     fill_bias_table();  // while those loads are in flight
     int row = r0;
     if constexpr (kDepth == 3) {
       Pos P1 = pos_next(P0, r0 + 1, r1, a);
-      load_unit<N, true>(a, lp, P1, B);
+      load_unit<N, false>(a, lp, P1, B);
       // Row `row`: load row + 2 into `fill`, compute `row` from `use`.
       auto step = [&](const Buf& use, Buf& fill) {
         const Pos P2 = pos_next(P1, row + 2, r1, a);
-        load_unit<N, true>(a, lp, P2, fill);
+        load_unit<N, false>(a, lp, P2, fill);
         float v[16];
         compute(P0, use, v);
         store_whole(P0, v);
@@ -423,7 +428,7 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
       // Two-deep: row `row` computed while row + 1 loads.
       auto step = [&](const Buf& use, Buf& fill) {
         const Pos P1 = pos_next(P0, row + 1, r1, a);
-        load_unit<N, true>(a, lp, P1, fill);
+        load_unit<N, false>(a, lp, P1, fill);
         float v[16];
         compute(P0, use, v);
         store_whole(P0, v);
@@ -702,14 +707,11 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
     const char* v = std::getenv("MAMBA3_DQK_WHOLE_DEPTH");
     return v && v[0] == '2' ? 2 : 3;
   }();
-  // The block walk loads its streamed rows with L1::no_allocate when a CTA walks at most
-  // kNaMaxBlocks blocks. Measured (H100, session 37, same bits): ~4 blocks per CTA (B=1 S=2048
-  // H=32 N=128) -16%, ~8 (B=2) -5%; ~16 and ~62 (B=4, B=8) unchanged under this bound, 1.6-1.8%
-  // slower with the loads at every count. Why few blocks gain is not yet profiled.
+  // The block walk's no-allocate loads at <= kNaMaxBlocks blocks per CTA (see ld_row8);
   // MAMBA3_DQK_NA_BLOCKS=k sets the bound (A/B; 0 = never).
   static const int64_t kNaMaxBlocks = [] {
     const char* v = std::getenv("MAMBA3_DQK_NA_BLOCKS");
-    return v ? static_cast<int64_t>(std::atoll(v)) : int64_t{8};
+    return v ? static_cast<int64_t>(std::atoll(v)) : int64_t{4};
   }();
   const int depth = WH == 1 ? kWholeDepth : ((nblk + ctas - 1) / ctas <= kNaMaxBlocks ? 1 : 0);
   const bool dok = p.has_dok != 0;
