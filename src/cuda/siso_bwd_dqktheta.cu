@@ -857,6 +857,14 @@ __global__ void __launch_bounds__(256)
                        float* dqb, int64_t dqb_sh, int64_t dqb_sn, float* dkb, int64_t dkb_sh,
                        int64_t dkb_sn) {
   __shared__ float part[8][32];
+  // Launched as a programmatic dependent after the split kernel's whole-group walk: wait for the
+  // partials' writer (a no-op after a plain launch). Then let a dependent launched after this
+  // one (the next call's split kernel) become resident; it waits for this kernel before its
+  // first global access.
+  pdl_wait();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int tiles = (N + 31) / 32;
   int idx = blockIdx.x;
   const int tile = idx % tiles;
@@ -1606,15 +1614,27 @@ void launch_dqk_vec(const Plan& pl, const DqkArgs& a, dim3 grid, cudaStream_t st
   }
 }
 
-// Sums the per-CTA bias partials of either kernel into dq_bias / dk_bias.
-void launch_bias_reduce(const DqkthetaParams& p, const float* ws, int ctas_per_g,
-                        cudaStream_t st) {
+// Sums the per-CTA bias partials of either kernel into dq_bias / dk_bias. pdl: as a
+// programmatic dependent launch (scheduled while the partials' writer finishes).
+void launch_bias_reduce(const DqkthetaParams& p, const float* ws, int ctas_per_g, cudaStream_t st,
+                        bool pdl = false) {
   const int tiles = static_cast<int>((p.N + 31) / 32);
-  bias_reduce_kernel<<<static_cast<unsigned>(p.H * 2 * tiles), 256, 0, st>>>(
-      ws, ctas_per_g, static_cast<int>(p.H / p.G), static_cast<int>(p.N), static_cast<int>(p.H),
-      static_cast<float*>(p.dq_bias.data), p.dq_bias.strides[0], p.dq_bias.strides[1],
-      static_cast<float*>(p.dk_bias.data), p.dk_bias.strides[0], p.dk_bias.strides[1]);
-  check_launch("compute_dqktheta: bias reduction launch");
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.H * 2 * tiles));
+  cfg.blockDim = dim3(256);
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1] = {pdl_attr()};
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&cfg, bias_reduce_kernel, ws, ctas_per_g,
+                                static_cast<int>(p.H / p.G), static_cast<int>(p.N),
+                                static_cast<int>(p.H), static_cast<float*>(p.dq_bias.data),
+                                static_cast<int64_t>(p.dq_bias.strides[0]),
+                                static_cast<int64_t>(p.dq_bias.strides[1]),
+                                static_cast<float*>(p.dk_bias.data),
+                                static_cast<int64_t>(p.dk_bias.strides[0]),
+                                static_cast<int64_t>(p.dk_bias.strides[1])),
+             "compute_dqktheta: bias reduction launch");
 }
 
 }  // namespace
@@ -1650,7 +1670,9 @@ void compute_dqktheta(const DqkthetaParams& p, void* workspace, size_t workspace
       reinterpret_cast<float*>(align_up(reinterpret_cast<uintptr_t>(workspace), kWsAlign));
   bool biases_done = false;
   if (const int split_ctas = run_split(p, ws, sms, st, &biases_done)) {
-    if (!biases_done) launch_bias_reduce(p, ws, split_ctas, st);
+    // After the split kernel as a programmatic dependent: correct after any launch of it (the
+    // reduction waits for it at pdl_wait), and it hides the launch gap.
+    if (!biases_done) launch_bias_reduce(p, ws, split_ctas, st, /*pdl=*/true);
     return;
   }
   if (const int lean_ctas = run_lean(p, ws, sms, st)) {

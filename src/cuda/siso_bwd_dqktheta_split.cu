@@ -23,10 +23,14 @@
 //   fixed order after a barrier per block of PB positions.
 // * Each warp walks its positions with a two-deep register pipeline: the loads of the next
 //   position are issued before the current one is computed, across head and block boundaries.
-//   (Three-deep was slower in the block walk, session 12: B4 +7%.) The whole-group walk (bf16)
-//   is three-deep, its q/k biases in shared memory to make room for the third buffer.
-// * The CTAs' bias partials are summed inside the kernel after a grid barrier when the launch can
-//   be cooperative (every CTA resident), else by the shared bias reduction kernel.
+//   (Three-deep was slower in the block walk, session 12: B4 +7%; in the whole-group walk, bf16
+//   only, it is an A/B option: faster when every call wrote the same output memory, 1.5% slower
+//   at GQA with outputs rotating, session 37.) The whole-group walk keeps its q/k biases in a
+//   shared-memory table (registers for the third buffer).
+// * The CTAs' bias partials: in the block walk summed inside the kernel after a grid barrier when
+//   the launch can be cooperative (every CTA resident), else by the shared bias reduction kernel;
+//   the whole-group walk is a programmatic dependent launch and the reduction kernel sums its
+//   partials, also a dependent launch (each launch gap overlaps the kernel before it).
 // Deterministic: every sum has a fixed order, no atomics.
 #include <cstdlib>
 #include <cstring>
@@ -203,6 +207,9 @@ __global__ void __launch_bounds__(512, 1) dqk_split_kernel(const __grid_constant
   lp.o.g = static_cast<uint32_t>((h * a.gi_sh + 4 * col) * 2);
   lp.o.a = static_cast<uint32_t>(h * a.an_sh + 2 * col);
   lp.rs = (col == 0 ? a.sc : col == 1 ? a.ga : a.dqk) + static_cast<int64_t>(h) * a.sm_sh;
+  // The whole-group walk may be a programmatic dependent launch (run_split): nothing global
+  // before this wait (a no-op after a plain launch).
+  if constexpr (kWhole) pdl_wait();
 
   // Block walk: this lane's bias columns in registers (float32; any dtype and stride). All 16
   // raw loads are issued before the first conversion (with load_rt per element each load waited
@@ -614,7 +621,7 @@ SplitKernel prepared_at(int device, size_t smem) {
 }
 
 // depth: 0 the block walk (1: with no-allocate loads); 2 or 3 the whole-group walk (d_ok_state
-// tested at run time), three-deep for bf16 only (f16 spilled).
+// tested at run time); three-deep for bf16 only (f16 spilled), an A/B option.
 template <class Tg, int N>
 SplitKernel prepared(int depth, bool dok, int device, size_t smem) {
   if (depth == 0)
@@ -702,10 +709,12 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   int ctas = static_cast<int>(std::min<int64_t>(ctas_per_group_bound(p.G, sms, rows, occ), nblk));
   // The bias sums inside the kernel need every CTA resident at once (cooperative launch): the
   // grid must fit what the occupancy calculator allows; otherwise they run as a second kernel.
-  // MAMBA3_DQK_WHOLE_DEPTH=2 keeps the whole-group walk two-deep for bf16 too (A/B; same bits).
+  // MAMBA3_DQK_WHOLE_DEPTH=3: the whole-group walk three-deep for bf16 (A/B; same bits). Two-deep
+  // measured faster at GQA with outputs rotating (H100, session 37: 20.72 -> 20.40 us cooperative,
+  // 19.96 -> 19.52 as a dependent launch).
   static const int kWholeDepth = [] {
     const char* v = std::getenv("MAMBA3_DQK_WHOLE_DEPTH");
-    return v && v[0] == '2' ? 2 : 3;
+    return v && v[0] == '3' ? 3 : 2;
   }();
   // The block walk's no-allocate loads at <= kNaMaxBlocks blocks per CTA (see ld_row8);
   // MAMBA3_DQK_NA_BLOCKS=k sets the bound (A/B; 0 = never).
@@ -720,8 +729,18 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
           ? kernel_for<__nv_bfloat16>(static_cast<int>(N), depth, dok, p.device_id, smem)
           : kernel_for<__half>(static_cast<int>(N), depth, dok, p.device_id, smem);
   const int resident = resident_ctas(kern, p.device_id, W * 32, smem);
-  const bool fused = dp.coop_launch && static_cast<int64_t>(ctas) * p.G <=
-                                           static_cast<int64_t>(resident) * sms;
+  // The whole-group walk (GQA): a programmatic dependent launch, its partials summed by the
+  // reduction kernel (also a programmatic dependent), so that each launch gap overlaps the
+  // kernel before it (GQA 20.72 -> 19.96 us with outputs rotating, H100, session 37); the block
+  // walk keeps the cooperative launch (as a dependent it lost 3-7% at B1-B8, session 36).
+  // MAMBA3_DQK_WG_PDL=0: the whole-group walk cooperative too (A/B).
+  static const bool kWgPdl = [] {
+    const char* v = std::getenv("MAMBA3_DQK_WG_PDL");
+    return !(v && v[0] == '0');
+  }();
+  const bool pdl = WH == 1 && kWgPdl;
+  const bool fused = !pdl && dp.coop_launch && static_cast<int64_t>(ctas) * p.G <=
+                                                   static_cast<int64_t>(resident) * sms;
 
   SplitArgs a;
   std::memset(&a, 0, sizeof(a));
@@ -749,10 +768,14 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
+  if (pdl) {
+    attr[0] = pdl_attr();
+  } else {
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = fused ? 1 : 0;
+  cfg.numAttrs = fused || pdl ? 1 : 0;
   cudaError_t e = cudaLaunchKernelEx(&cfg, kern, a);
   if (e == cudaErrorCooperativeLaunchTooLarge && fused) {
     // Fewer SMs available than the device has (e.g. an MPS limit): the same kernel without the
