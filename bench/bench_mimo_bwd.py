@@ -19,8 +19,9 @@ and dz in bf16 for both implementations.
 Measured per shape:
 - GPU time: median over trials of (CUDA-event time around `reps` back-to-back calls) / reps,
   each trial behind a GPU sleep long enough for the host to enqueue all calls (device time only;
-  bench_siso_bwd.py's method). Inputs rotate among 2 copies. Ours through the Python function
-  (it allocates its outputs), upstream's compiled kernel object with preallocated outputs
+  bench_siso_bwd.py's method). Inputs rotate among 2 copies, and so do outputs (each call's kept
+  until two calls later; from session 37). Ours through the Python function (it allocates its
+  outputs), upstream's compiled kernel object with preallocated outputs, one set per input set
   (combined: upstream's Python function, which allocates its own).
 - Upstream compile: every kernel the selected ops need (bwd_fwd; bwd_bwd without Z; bwd_bwd with
   Z for combined) for every shape, compiled before any timing, in parallel threads, through the
@@ -95,7 +96,7 @@ import mamba3_kernels  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "python"))
 from bench_siso_bwd import (_sleep_cycles_per_ms, copy_ceiling_gbps, gpu_time_ms,  # noqa: E402
-                            host_time_ms)
+                            host_time_ms, keeping_outputs)
 import mimo_ref  # noqa: E402
 
 DEV = "cuda"
@@ -424,6 +425,10 @@ def sync():
 
 
 def measure(fn, sets, cfg, cpm):
+    # Outputs rotate as the inputs do (bench_siso_bwd.py's method since session 37): ours are
+    # allocated per call, and without this every call would get the same memory, which the
+    # previous call may have left in L2; upstream's preallocated outputs are one set per input set.
+    fn = keeping_outputs(fn, len(sets))
     for i in range(cfg.warmup):
         fn(sets[i % len(sets)])
     sync()
