@@ -857,10 +857,10 @@ __global__ void __launch_bounds__(256)
                        float* dqb, int64_t dqb_sh, int64_t dqb_sn, float* dkb, int64_t dkb_sh,
                        int64_t dkb_sn) {
   __shared__ float part[8][32];
-  // Launched as a programmatic dependent after the split kernel's whole-group walk: wait for the
-  // partials' writer (a no-op after a plain launch). Then let a dependent launched after this
-  // one (the next call's split kernel) become resident; it waits for this kernel before its
-  // first global access.
+  // After the split kernel this is a programmatic dependent launch: wait for the partials'
+  // writer (a no-op after a plain launch). Then let a dependent launched after this one (the
+  // next call's split kernel) become resident; it waits for this kernel before its first global
+  // access.
   pdl_wait();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

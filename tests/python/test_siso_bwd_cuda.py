@@ -81,8 +81,8 @@ DQK_LARGE = [
     (1, 8192, 1, 32, 128, 64, 64, 4, True, BF16),
     (1, 4096, 2, 8, 256, 128, 64, 3, True, F16),
     (2, 4096, 1, 32, 128, 32, 64, 0, True, BF16),
-    # 1700 rows: over three whole rounds of the block walk's 4-row blocks on a 132-SM card, then
-    # 116 rows with batch-row and sequence ends among them (a tail spread over the CTAs)
+    # 1700 rows: three whole rounds of the block walk's 4-row blocks on a 132-SM card, then 116
+    # rows with batch-row and sequence ends among them
     (17, 100, 1, 32, 128, 32, 64, 0, True, BF16),
     (1, 1700, 1, 32, 128, 32, 64, 5, True, BF16),
 ]
