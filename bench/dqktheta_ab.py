@@ -30,14 +30,11 @@ def main():
     tag, names = sys.argv[1], sys.argv[2].split(",")
     for name in names:
         sets = [bs.dqktheta_inputs(*SHAPES[name], seed) for seed in range(3)]
-        keep = None if os.environ.get("KEEP") == "0" else [None] * 3
-
-        def f(s, i=0):
-            out = siso.compute_dqktheta(*(s[k] for k in bs.DQK_ORDER))
-            if keep is not None:
-                keep[i % 3] = out
+        f = lambda s: siso.compute_dqktheta(*(s[k] for k in bs.DQK_ORDER))  # noqa: E731
+        if os.environ.get("KEEP") != "0":
+            f = bs.keeping_outputs(f, len(sets))
         for i in range(5):
-            f(sets[i % 3], i)
+            f(sets[i % 3])
         torch.cuda.synchronize()
         ts = []
         for _ in range(7):
@@ -46,7 +43,7 @@ def main():
             torch.cuda._sleep(20_000_000)
             e0.record()
             for i in range(30):
-                f(sets[i % 3], i)
+                f(sets[i % 3])
             e1.record()
             e1.synchronize()
             ts.append(e0.elapsed_time(e1) / 30 * 1e3)
