@@ -23,8 +23,10 @@
 //   fixed order after a barrier per block of PB positions.
 // * Each warp walks its positions with a two-deep register pipeline: the loads of the next
 //   position are issued before the current one is computed, across head and block boundaries.
-//   (Three-deep was slower in the block walk, session 12: B4 +7%.) The whole-group walk (bf16)
-//   is three-deep, its q/k biases in shared memory to make room for the third buffer.
+//   (Three-deep was slower in the block walk, session 12: B4 +7%; in the whole-group walk, bf16
+//   only, it is an A/B option: faster when every call wrote the same output memory, 1.7% slower
+//   at GQA with outputs rotating, sessions 37-38.) The whole-group walk keeps its q/k biases in
+//   a shared-memory table (registers for the third buffer).
 // * The CTAs' bias partials: in the block walk summed inside the kernel after a grid barrier when
 //   the launch can be cooperative (every CTA resident), else by the shared bias reduction kernel;
 //   the whole-group walk is a programmatic dependent launch and the reduction kernel sums its
@@ -619,7 +621,7 @@ SplitKernel prepared_at(int device, size_t smem) {
 }
 
 // depth: 0 the block walk (1: with no-allocate loads); 2 or 3 the whole-group walk (d_ok_state
-// tested at run time), three-deep for bf16 only (f16 spilled).
+// tested at run time); three-deep for bf16 only (f16 spilled), an A/B option.
 template <class Tg, int N>
 SplitKernel prepared(int depth, bool dok, int device, size_t smem) {
   if (depth == 0)
@@ -707,13 +709,12 @@ int run_split(const DqkthetaParams& p, float* ws, int sms, cudaStream_t st, bool
   int ctas = static_cast<int>(std::min<int64_t>(ctas_per_group_bound(p.G, sms, rows, occ), nblk));
   // The bias sums inside the kernel need every CTA resident at once (cooperative launch): the
   // grid must fit what the occupancy calculator allows; otherwise they run as a second kernel.
-  // MAMBA3_DQK_WHOLE_DEPTH=2 keeps the whole-group walk two-deep for bf16 too (A/B; same bits).
-  // Two-deep measured faster at GQA with outputs rotating (H100, session 37: 20.72 -> 20.40 us
-  // cooperative, 19.96 -> 19.52 as a dependent launch); the default after its GPU tests (branch
-  // s37-depth2).
+  // MAMBA3_DQK_WHOLE_DEPTH=3: the whole-group walk three-deep for bf16 (A/B; same bits). Two-deep
+  // measured faster at GQA with outputs rotating (H100: session 37, 20.72 -> 20.40 us
+  // cooperative, 19.96 -> 19.52 as a dependent launch; session 38, 19.88 -> 19.51 / 19.58).
   static const int kWholeDepth = [] {
     const char* v = std::getenv("MAMBA3_DQK_WHOLE_DEPTH");
-    return v && v[0] == '2' ? 2 : 3;
+    return v && v[0] == '3' ? 3 : 2;
   }();
   // The block walk's no-allocate loads at <= kNaMaxBlocks blocks per CTA (see ld_row8);
   // MAMBA3_DQK_NA_BLOCKS=k sets the bound (A/B; 0 = never).
