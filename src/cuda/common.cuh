@@ -186,6 +186,14 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Lets a kernel launched after this one with pdl_attr be scheduled now (it still waits for this
+// kernel's completion at its pdl_wait); without such a dependent, a no-op.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------ device side: dtypes
 
 // Runtime dtype codes, equal to mamba3::DType's values.

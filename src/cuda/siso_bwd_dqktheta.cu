@@ -862,9 +862,7 @@ __global__ void __launch_bounds__(256)
   // next call's split kernel) become resident; it waits for this kernel before its first global
   // access.
   pdl_wait();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+  pdl_launch_dependents();
   const int tiles = (N + 31) / 32;
   int idx = blockIdx.x;
   const int tile = idx % tiles;
