@@ -85,7 +85,8 @@ DQK_LARGE = [
     # rows with batch-row and sequence ends among them
     (17, 100, 1, 32, 128, 32, 64, 0, True, BF16),
     (1, 1700, 1, 32, 128, 32, 64, 5, True, BF16),
-    # f16 with 16 heads per group at N = 128: the block walk with two warps per position
+    # f16 with 16 heads per group at N = 128: the block walk with two rows of warps (the CTA's bias
+    # partial summed over them in shared memory)
     (2, 512, 1, 16, 128, 32, 64, 0, True, F16),
 ]
 
