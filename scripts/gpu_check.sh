@@ -31,6 +31,10 @@
 #                       was installed (pip install --no-index --no-deps --target DIR ...);
 #                       default $TILELANG_SITE. Without tilelang the benchmark says so and
 #                       compares with the float32 torch reference instead of upstream.
+#     --tilelang-tar FILE  the site folder packed by scripts/pack_for_device.sh --tilelang:
+#                       unpacked to a temporary folder, used as --tilelang-site
+#   With --no-build, a build directory that holds libmamba3.so.xz but no libmamba3.so (made by
+#   scripts/pack_for_device.sh) gets the library unpacked first.
 set -o pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -52,7 +56,7 @@ DO_BUILD=1 DO_CTEST=1 DO_SELFCHECK=1 DO_PYTEST=1 DO_BENCH=1 USE_PIP=0 QUICK_BENC
 PYTEST_ARGS=""
 GTEST_FILTER='*Cuda*'
 BUDGET=570
-DO_MIMO=0 MIMO_ONLY=0 MIMO_BENCH_ARGS="" TILELANG_SITE=${TILELANG_SITE:-}
+DO_MIMO=0 MIMO_ONLY=0 MIMO_BENCH_ARGS="" TILELANG_SITE=${TILELANG_SITE:-} TILELANG_TAR=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-build) DO_BUILD=0 ;;
@@ -72,7 +76,8 @@ while [ $# -gt 0 ]; do
     --mimo-only) DO_MIMO=1 MIMO_ONLY=1 ;;
     --mimo-bench-args) MIMO_BENCH_ARGS=$2; shift ;;
     --tilelang-site) TILELANG_SITE=$2; shift ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    --tilelang-tar) TILELANG_TAR=$2; shift ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -144,6 +149,15 @@ else
   skip_phase build "--no-build ($BUILD_DIR)"
 fi
 LIB=$BUILD_DIR/libmamba3.so
+if [ "$DO_BUILD" = 0 ] && [ ! -f "$LIB" ] && [ -f "$LIB.xz" ]; then
+  xz -dk "$LIB.xz" || echo "gpu_check.sh: could not unpack $LIB.xz" >&2
+fi
+if [ -n "$TILELANG_TAR" ]; then
+  TILELANG_SITE=$(mktemp -d)
+  trap 'rm -rf "$TILELANG_SITE"' EXIT
+  tar -xJf "$TILELANG_TAR" -C "$TILELANG_SITE" ||
+    echo "gpu_check.sh: could not unpack $TILELANG_TAR (the MIMO benchmark runs without upstream)" >&2
+fi
 if [ ! -f "$LIB" ]; then
   echo "gpu_check.sh: $LIB does not exist" >&2
   BUILD_OK=0

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Packs a build made on this machine for a device call, under the device tool's carry limit
+# (64 MiB with the working tree), so that the call spends no time building:
+#
+#   scripts/pack_for_device.sh BUILD_DIR DEST [--tilelang]
+#
+# DEST (a git-ignored folder of this checkout, e.g. .devpack) receives
+#   libmamba3.so.xz        the library, xz-compressed (with the compute_90 PTX it is ~78 MB, ~23 MB
+#                          compressed; -DMAMBA3_CUDA_PTX=OFF builds are ~1/5 the size)
+#   mamba3_tests, mamba3-selfcheck   when BUILD_DIR has them (the *Cuda* gtests, the self-check)
+#   site.tar.xz            with --tilelang: upstream's TileLang kernels' Python packages (the
+#                          versions that import on the device image, bench/README.md):
+#                          tilelang 0.1.8, apache-tvm-ffi 0.1.5, torch-c-dlpack-ext
+#                          0.1.5, z3-solver 4.15.4, unpacked, without what the import does not
+#                          need (z3's command-line binary and second copy of libz3, tilelang's
+#                          AMD composable_kernel headers): ~31 MB instead of 74 MB of wheels
+# and, on the device, `scripts/gpu_check.sh --no-build --build-dir DEST [--tilelang-tar
+# DEST/site.tar.xz]` unpacks both (carry DEST, and .upstream for the comparisons: ~0.6 MB). The wheels come from PyPI (pip download, cp312,
+# manylinux x86_64: the device image's Python); xz -T0 takes a few minutes on two cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 2 ]; then
+  sed -n '2,20p' "$0" >&2
+  exit 2
+fi
+BUILD=$1 DEST=$2 TILELANG=0
+[ "${3:-}" = --tilelang ] && TILELANG=1
+[ -f "$BUILD/libmamba3.so" ] || { echo "pack_for_device.sh: $BUILD/libmamba3.so not found" >&2; exit 1; }
+# (Made first: an ignore pattern for folders, `.dev*/`, matches only a folder that exists.)
+mkdir -p "$DEST"
+if ! git check-ignore -q "$DEST"; then
+  rmdir "$DEST" 2>/dev/null || true
+  echo "pack_for_device.sh: $DEST is not git-ignored (add it to .git/info/exclude): a carried" \
+       "folder must not be committed" >&2
+  exit 1
+fi
+
+xz -T0 -6 -c "$BUILD/libmamba3.so" > "$DEST/libmamba3.so.xz"
+rm -f "$DEST/libmamba3.so"  # gpu_check.sh unpacks the .xz only where no library is there
+for f in mamba3_tests mamba3-selfcheck; do
+  if [ -x "$BUILD/$f" ]; then cp "$BUILD/$f" "$DEST/"; fi
+done
+
+if [ "$TILELANG" = 1 ]; then
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  for w in tilelang==0.1.8 apache-tvm-ffi==0.1.5 torch-c-dlpack-ext==0.1.5 z3-solver==4.15.4; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$tmp/whl" "$w"
+  done
+  # A wheel is a zip of its installed tree (purelib / platlib): unzipping it is what
+  # `pip install --target` does for these four, without needing this machine's Python to match.
+  mkdir -p "$tmp/site"
+  for w in "$tmp"/whl/*.whl; do unzip -q -o "$w" -d "$tmp/site"; done
+  rm -rf "$tmp"/site/z3_solver-*.data "$tmp/site/tilelang/3rdparty/composable_kernel"
+  if cmp -s "$tmp/site/z3/lib/libz3.so" "$tmp/site/z3/lib/libz3.so.4.15"; then
+    ln -sf libz3.so "$tmp/site/z3/lib/libz3.so.4.15"
+  fi
+  tar -C "$tmp/site" -cf - . | xz -T0 -6 > "$DEST/site.tar.xz"
+fi
+
+tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+carry=$(du -sb "$DEST" | cut -f1)
+total=$(( tree + carry ))
+echo "packed $DEST: $(( carry / 1048576 )) MiB (+ $(( tree / 1048576 )) MiB of tracked files:" \
+     "$(( total / 1048576 )) of the 64 MiB a call carries)"
+ls -la "$DEST"
+if [ "$total" -gt $(( 64 * 1048576 )) ]; then
+  echo "pack_for_device.sh: over the carry limit: carry DEST without site.tar.xz and unpack" \
+       "tilelang in a call of its own, or build with -DMAMBA3_CUDA_PTX=OFF" >&2
+  exit 3
+fi
