@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cta_emulator.hpp"
+#include "cuda/fused_coef_mma.cuh"
 #include "cuda/mimo_bwd_fwd_lean.cuh"
 
 namespace mamba3::cuda::mimo {
@@ -104,6 +105,68 @@ TEST(MmaEmulated, WarpMma16x16ComputesTheProductInEveryOrientation) {
   check_orientation<false, true>(2);
   check_orientation<true, false>(3);
   check_orientation<true, true>(4);
+}
+
+// warp_fused_coef_mma: (coef o (A1 B1^T)) B2 for one 16-row block with S kept in the
+// accumulators, against the float64 product of the unsplit values. The coefficients are a
+// step-causal mask (four rows per step, as R = 4) times a weight that depends on both indices,
+// so a fragment placed at the wrong row or column, or a lo term dropped (a single bf16 product,
+// ~4e-3 of the terms' scale), fails the 1e-4 bound.
+TEST(MmaEmulated, FusedCoefProductMatchesTheDoubleProduct) {
+  constexpr int M0 = 32, K1 = 32, T = 64, NB = 2, NC = 16 * NB, ld = 72;
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> a((M0 + 16) * K1), b1(T * K1), b2(T * NC);
+  for (float& x : a) x = u(rng);
+  for (float& x : b1) x = u(rng);
+  for (float& x : b2) x = u(rng);
+  const int plane = T * ld;
+  std::vector<__nv_bfloat16> sa(2 * plane), sb1(2 * plane), sb2(2 * plane);
+  for (int m = 0; m < M0 + 16; ++m)
+    for (int k = 0; k < K1; k += 2)
+      st_split2(sa.data(), plane, m * ld + k, a[m * K1 + k], a[m * K1 + k + 1]);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K1; k += 2)
+      st_split2(sb1.data(), plane, t * ld + k, b1[t * K1 + k], b1[t * K1 + k + 1]);
+  for (int t = 0; t < T; ++t)
+    for (int n = 0; n < NC; n += 2)
+      st_split2(sb2.data(), plane, t * ld + n, b2[t * NC + n], b2[t * NC + n + 1]);
+  auto coef = [](int r, int c) -> float {
+    const int si = (M0 + r) / 4, sj = c / 4;
+    return sj < si ? std::exp(-0.05f * static_cast<float>(si - sj)) * (1.f + 0.25f * (c % 4))
+                   : 0.f;
+  };
+  const SplitTile TA{sa.data(), plane, ld}, TB1{sb1.data(), plane, ld}, TB2{sb2.data(), plane, ld};
+  std::vector<float> c(16 * NC, std::nanf(""));
+  run_warp([&](int l) {
+    float out[NB][2][4];
+    for (int nb = 0; nb < NB; ++nb) zero_acc(out[nb]);
+    warp_fused_coef_mma<T, NB>(out, TA, M0, K1, TB1, TB2, 0, coef);
+    const int g = l / 4, q = l % 4;
+    for (int nb = 0; nb < NB; ++nb)
+      for (int j = 0; j < 2; ++j)
+        for (int e = 0; e < 4; ++e)
+          c[(g + (e >= 2 ? 8 : 0)) * NC + 16 * nb + 8 * j + 2 * q + e % 2] = out[nb][j][e];
+  });
+  int masked_rows = 0;
+  for (int r = 0; r < 16; ++r) {
+    double sp[T];
+    for (int t = 0; t < T; ++t) {
+      double sv = 0;
+      for (int k = 0; k < K1; ++k) sv += static_cast<double>(a[(M0 + r) * K1 + k]) * b1[t * K1 + k];
+      sp[t] = sv * coef(r, t);
+    }
+    masked_rows += sp[T - 1] == 0.0;
+    for (int n = 0; n < NC; ++n) {
+      double ref = 0, mag = 0;
+      for (int t = 0; t < T; ++t) {
+        ref += sp[t] * b2[t * NC + n];
+        mag += std::fabs(sp[t] * b2[t * NC + n]);
+      }
+      EXPECT_NEAR(c[r * NC + n], ref, 1e-4 * mag + 1e-30) << "(" << r << ", " << n << ")";
+    }
+  }
+  EXPECT_EQ(masked_rows, 16);  // the mask is in play: the last steps' columns are zero
 }
 
 // The split itself: hi + lo keeps ~16 bits, far more than a single bf16 (so a test that drops
