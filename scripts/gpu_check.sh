@@ -34,7 +34,8 @@
 #     --tilelang-tar FILE  the site folder packed by scripts/pack_for_device.sh --tilelang:
 #                       unpacked to a temporary folder, used as --tilelang-site
 #   With --no-build, a build directory that holds libmamba3.so.xz but no libmamba3.so (made by
-#   scripts/pack_for_device.sh) gets the library unpacked first.
+#   scripts/pack_for_device.sh) gets the library unpacked first. With either benchmark phase on,
+#   the build directory's mamba3-k3-probe (bench/k3_fused_probe.cu) runs too (seconds).
 set -o pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -77,7 +78,7 @@ while [ $# -gt 0 ]; do
     --mimo-bench-args) MIMO_BENCH_ARGS=$2; shift ;;
     --tilelang-site) TILELANG_SITE=$2; shift ;;
     --tilelang-tar) TILELANG_TAR=$2; shift ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -308,6 +309,19 @@ if [ "$DO_BENCH_MIMO" = 1 ]; then
   fi
 fi
 
+# ------------------------------------------------------------------ K3 probe
+# bench/k3_fused_probe.cu (a few seconds): today's K3 product form against the fused one, with
+# the benchmark phases (it is a measurement, not a test).
+PROBE_TABLE=""
+if [ "$DO_BENCH" = 1 ] || [ "$DO_BENCH_MIMO" = 1 ]; then
+  if [ -x "$BUILD_DIR/mamba3-k3-probe" ]; then
+    run_phase k3-probe "$OUT/k3_probe.log" 60 "$BUILD_DIR/mamba3-k3-probe" &&
+      PROBE_TABLE=$(grep -E '^(device|\||outputs)' "$OUT/k3_probe.log")
+  else
+    skip_phase k3-probe "mamba3-k3-probe not built"
+  fi
+fi
+
 # ------------------------------------------------------------------ summary
 {
   echo
@@ -333,6 +347,12 @@ fi
   if [ -n "$BENCH_TABLE" ]; then
     echo
     echo "$BENCH_TABLE"
+  fi
+  if [ -n "$PROBE_TABLE" ]; then
+    echo
+    echo "K3 probe (bench/k3_fused_probe.cu):"
+    echo
+    echo "$PROBE_TABLE"
   fi
   if [ -n "$MIMO_BENCH_TABLE" ]; then
     echo

@@ -7,7 +7,8 @@
 # DEST (a git-ignored folder of this checkout, e.g. .devpack) receives
 #   libmamba3.so.xz        the library, xz-compressed (with the compute_90 PTX it is ~78 MB, ~23 MB
 #                          compressed; -DMAMBA3_CUDA_PTX=OFF builds are ~1/5 the size)
-#   mamba3_tests, mamba3-selfcheck   when BUILD_DIR has them (the *Cuda* gtests, the self-check)
+#   mamba3_tests, mamba3-selfcheck, mamba3-k3-probe   when BUILD_DIR has them (the *Cuda*
+#                          gtests, the self-check, bench/k3_fused_probe.cu)
 #   site.tar.xz            with --tilelang: upstream's TileLang kernels' Python packages (the
 #                          versions that import on the device image, bench/README.md):
 #                          tilelang 0.1.8, apache-tvm-ffi 0.1.5, torch-c-dlpack-ext
@@ -37,7 +38,7 @@ fi
 
 xz -T0 -6 -c "$BUILD/libmamba3.so" > "$DEST/libmamba3.so.xz"
 rm -f "$DEST/libmamba3.so"  # gpu_check.sh unpacks the .xz only where no library is there
-for f in mamba3_tests mamba3-selfcheck; do
+for f in mamba3_tests mamba3-selfcheck mamba3-k3-probe; do
   if [ -x "$BUILD/$f" ]; then cp "$BUILD/$f" "$DEST/"; fi
 done
 
