@@ -99,8 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) probe_kernel(int iters, float* ti
       for (int which = 0; which < 2; ++which) {
         float acc[2][4];
         zero_acc(acc);
-        warp_mma_16x16<false, false, 4>(acc, which ? X : G, 16 * tr, which ? G : X, 16 * tc, 0,
-                                        kP);
+        warp_mma_16x16<false, false, 4>(acc, which ? X : G, 16 * tr, which ? G : X, 16 * tc, 0, kP);
         __nv_bfloat16* m = which ? s.m2 : s.m1;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -133,20 +132,21 @@ __global__ void __launch_bounds__(kThreads, 1) probe_kernel(int iters, float* ti
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = 16 * rb + g + (e >= 2 ? 8 : 0), c = 64 * cb + 16 * nb + 8 * j + 2 * q + (e & 1);
+          const int r = 16 * rb + g + (e >= 2 ? 8 : 0),
+                    c = 64 * cb + 16 * nb + 8 * j + 2 * q + (e & 1);
           tiles[(half * kT + r) * kN + c] = out[nb][j][e];
         }
   }
   if (check == 12345.f) tiles[0] = check;  // keeps the loop's work observable
 }
 
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
       std::fprintf(stderr, "%s: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
+      std::exit(1);                                                                             \
+    }                                                                                           \
   } while (0)
 
 template <bool kFused>
@@ -188,13 +188,15 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(h.data(), tiles, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
   const bool same = std::memcmp(h.data(), h.data() + 2 * kT * kN, 2 * kT * kN * sizeof(float)) == 0;
   // mma per chunk (m16n8k16, three per split product): planes 32 build tiles x 4 k steps x 6
-  // + 16 warps x 4 column blocks x 4 k steps x 6; fused 16 warps x (4 S blocks x 4 x 6 + 4 x 4 x 6).
+  // + 16 warps x 4 column blocks x 4 k steps x 6; fused 16 warps x (4 S blocks x 4 x 6 + 4 x 4 x
+  // 6).
   const int mma_planes = 32 * 4 * 6 + 16 * kNB * 4 * 6, mma_fused = 16 * (4 * 4 * 6 + kNB * 4 * 6);
   std::printf("device %s, %d SMs, %d chunks per SM, smem %zu bytes per CTA\n", prop.name, sms,
               iters, sizeof(Smem));
-  std::printf("| form | us per chunk per SM | mma per chunk | ns per mma per SM |\n|---|---|---|---|\n");
-  std::printf("| planes (builds + barrier) | %.3f | %d | %.3f |\n", planes * 1e3 / iters, mma_planes,
-              planes * 1e6 / iters / mma_planes);
+  std::printf(
+      "| form | us per chunk per SM | mma per chunk | ns per mma per SM |\n|---|---|---|---|\n");
+  std::printf("| planes (builds + barrier) | %.3f | %d | %.3f |\n", planes * 1e3 / iters,
+              mma_planes, planes * 1e6 / iters / mma_planes);
   std::printf("| fused (S in registers) | %.3f | %d | %.3f |\n", fused * 1e3 / iters, mma_fused,
               fused * 1e6 / iters / mma_fused);
   std::printf("outputs bitwise identical: %s\n", same ? "yes" : "NO");

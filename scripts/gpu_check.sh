@@ -157,7 +157,8 @@ if [ -n "$TILELANG_TAR" ]; then
   TILELANG_SITE=$(mktemp -d)
   trap 'rm -rf "$TILELANG_SITE"' EXIT
   tar -xJf "$TILELANG_TAR" -C "$TILELANG_SITE" ||
-    echo "gpu_check.sh: could not unpack $TILELANG_TAR (the MIMO benchmark runs without upstream)" >&2
+    echo "gpu_check.sh: could not unpack $TILELANG_TAR (the MIMO benchmark then runs" \
+         "without upstream)" >&2
 fi
 if [ ! -f "$LIB" ]; then
   echo "gpu_check.sh: $LIB does not exist" >&2

@@ -16,17 +16,21 @@
 #                          need (z3's command-line binary and second copy of libz3, tilelang's
 #                          AMD composable_kernel headers): ~31 MB instead of 74 MB of wheels
 # and, on the device, `scripts/gpu_check.sh --no-build --build-dir DEST [--tilelang-tar
-# DEST/site.tar.xz]` unpacks both (carry DEST, and .upstream for the comparisons: ~0.6 MB). The wheels come from PyPI (pip download, cp312,
-# manylinux x86_64: the device image's Python); xz -T0 takes a few minutes on two cores.
+# DEST/site.tar.xz]` unpacks both (carry DEST, and .upstream for the comparisons: ~0.6 MB).
+# The wheels come from PyPI (pip download, cp312, manylinux x86_64: the device image's Python);
+# packing takes about a minute on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-  sed -n '2,20p' "$0" >&2
+  sed -n '2,21p' "$0" >&2
   exit 2
 fi
 BUILD=$1 DEST=$2 TILELANG=0
 [ "${3:-}" = --tilelang ] && TILELANG=1
-[ -f "$BUILD/libmamba3.so" ] || { echo "pack_for_device.sh: $BUILD/libmamba3.so not found" >&2; exit 1; }
+if [ ! -f "$BUILD/libmamba3.so" ]; then
+  echo "pack_for_device.sh: $BUILD/libmamba3.so not found" >&2
+  exit 1
+fi
 # (Made first: an ignore pattern for folders, `.dev*/`, matches only a folder that exists.)
 mkdir -p "$DEST"
 if ! git check-ignore -q "$DEST"; then
