@@ -24,9 +24,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
+#include "../../bench/k3_fused_probe.cuh"
 #include "cta_emulator.hpp"
 #include "cuda/fused_coef_mma.cuh"
 #include "cuda/mimo_bwd_fwd_lean.cuh"
@@ -167,6 +169,53 @@ TEST(MmaEmulated, FusedCoefProductMatchesTheDoubleProduct) {
     }
   }
   EXPECT_EQ(masked_rows, 16);  // the mask is in play: the last steps' columns are zero
+}
+
+// bench/k3_fused_probe.cu's two forms of one chunk's M1 kh / M2 qh products (today's planes form
+// and the fused form) on the emulated 16-warp CTA: the same bits, every element written, and
+// the float64 products of the probe's data (so that a wrong tile index in both forms alike fails
+// too).
+TEST(MmaEmulated, K3ProbeFormsGiveIdenticalBits) {
+  namespace kp = mamba3::bench::k3probe;
+  constexpr int T = kp::kT, N = kp::kN, P = kp::kP;
+  auto fused = std::make_unique<kp::Smem>(), planes = std::make_unique<kp::Smem>();
+  std::vector<float> tf(2 * T * N, std::nanf("")), tp(2 * T * N, std::nanf(""));
+  test::emu::launch(1, kp::kThreads, [&] { kp::run_chunks<true>(*fused, 1, tf.data(), true); });
+  test::emu::launch(1, kp::kThreads, [&] { kp::run_chunks<false>(*planes, 1, tp.data(), true); });
+  EXPECT_EQ(std::memcmp(tf.data(), tp.data(), tf.size() * sizeof(float)), 0);
+  // The probe's inputs, as its kernel writes them (pairs of elements e, e + 1 from one hash).
+  auto pairs = [](int n, int mul, int add) {
+    std::vector<double> v(n);
+    for (int e = 0; e < n; e += 2) {
+      v[e] = kp::hash_val(static_cast<uint32_t>(mul * e + add));
+      v[e + 1] = kp::hash_val(static_cast<uint32_t>(mul * e + add + 1));
+    }
+    return v;
+  };
+  const std::vector<double> g = pairs(T * P, 3, 0), x = pairs(T * P, 5, 7), kh = pairs(T * N, 7, 1),
+                            qh = pairs(T * N, 11, 3);
+  auto coef = [](int i, int j) {
+    const int si = i / kp::kR, sj = j / kp::kR;
+    return sj < si ? std::exp(-0.05 * (si - sj)) * (1.0 + 0.01 * j) : 0.0;
+  };
+  for (int half = 0; half < 2; ++half) {
+    const std::vector<double>&a = half ? x : g, &b = half ? g : x, &c = half ? qh : kh;
+    for (int i = 0; i < T; ++i) {
+      double m[T];
+      for (int j = 0; j < T; ++j) {
+        double sv = 0;
+        for (int p = 0; p < P; ++p) sv += a[i * P + p] * b[j * P + p];
+        m[j] = coef(i, j) * sv;
+      }
+      for (int n = 0; n < N; ++n) {
+        double ref = 0, mag = 0;
+        for (int j = 0; j < T; ++j) ref += m[j] * c[j * N + n], mag += std::fabs(m[j] * c[j * N + n]);
+        const float got = tp[(half * T + i) * N + n];
+        ASSERT_FALSE(std::isnan(got)) << half << " (" << i << ", " << n << ")";
+        EXPECT_NEAR(got, ref, 1e-4 * mag + 1e-30) << half << " (" << i << ", " << n << ")";
+      }
+    }
+  }
 }
 
 // The split itself: hi + lo keeps ~16 bits, far more than a single bf16 (so a test that drops
