@@ -13,9 +13,11 @@
 // Both forms run the same fragments and mma in the same order for every output tile, so their
 // outputs must be bitwise identical (checked here on the device, and on the host emulator with
 // the float64 product by MmaEmulated.K3ProbeFormsGiveIdenticalBits: the chunk body is in
-// k3_fused_probe.cuh). Prints the time per chunk per SM of each and
-// their mma counts; the difference is what the builds, their barrier and the fragment reloads
-// cost against the recomputed products.
+// k3_fused_probe.cuh). Prints the time per chunk per SM of each and their mma counts; the
+// difference is what the builds, their barrier and the fragment reloads cost against the
+// recomputed products. The planes form here forms each M tile straight from the mma; the K3
+// itself stores XG / KQ as fp32 tiles first, a barrier, then builds M from them: this baseline
+// is the cheaper one.
 //
 //   build/mamba3-k3-probe [iterations]     (CMake target mamba3-k3-probe, CUDA builds)
 #include <cuda_runtime.h>
