@@ -4,20 +4,20 @@
 //
 //   planes  (today's K3): every warp builds one 16 x 16 tile of M1 = coef o (g x^T) and one of
 //           M2 = coef o (x g^T) into bf16 hi/lo planes, a barrier, then each warp multiplies
-//           16 rows of M1 by 64 columns of kh (dqh; warps 0-7) or of M2 by qh (dkh; 8-15).
+//           16 rows of M1 by 64 columns of kh (dqh; warps 0-7) or of M2 by qh (dkh; 8-15);
+//           in a second variant the first products go to fp32 tiles, a barrier, and M is built
+//           from them, as the K3 builds M1-M3 from its KQ / XG tiles.
 //   fused   (warp_fused_coef_mma): the same warp forms its own 16 rows of M in the mma
 //           accumulators (4x the first product: each row block's S is formed by the two warps
 //           of its column blocks), applies the coefficients there and multiplies on without
 //           shared memory or a barrier.
 //
-// Both forms run the same fragments and mma in the same order for every output tile, so their
+// All three forms run the same fragments and mma in the same order for every output tile, so their
 // outputs must be bitwise identical (checked here on the device, and on the host emulator with
 // the float64 product by MmaEmulated.K3ProbeFormsGiveIdenticalBits: the chunk body is in
 // k3_fused_probe.cuh). Prints the time per chunk per SM of each and their mma counts; the
 // difference is what the builds, their barrier and the fragment reloads cost against the
-// recomputed products. The planes form here forms each M tile straight from the mma; the K3
-// itself stores XG / KQ as fp32 tiles first, a barrier, then builds M from them: this baseline
-// is the cheaper one.
+// recomputed products; the two planes forms, what the fp32 round trip costs.
 //
 //   build/mamba3-k3-probe [iterations]     (CMake target mamba3-k3-probe, CUDA builds)
 #include <cuda_runtime.h>
@@ -33,11 +33,11 @@ namespace {
 
 using namespace mamba3::bench::k3probe;
 
-template <bool kFused>
+template <int kForm>
 __global__ void __launch_bounds__(kThreads, 1) probe_kernel(int iters, float* tiles) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem& s = *reinterpret_cast<Smem*>(smem_raw);
-  const float check = run_chunks<kFused>(s, iters, tiles, blockIdx.x == 0);
+  const float check = run_chunks<kForm>(s, iters, tiles, blockIdx.x == 0);
   if (check == 12345.f) tiles[0] = check;  // keeps the loop's work observable
 }
 
@@ -50,9 +50,9 @@ __global__ void __launch_bounds__(kThreads, 1) probe_kernel(int iters, float* ti
     }                                                                                           \
   } while (0)
 
-template <bool kFused>
+template <int kForm>
 double time_ms(int sms, int iters, float* tiles) {
-  auto k = probe_kernel<kFused>;
+  auto k = probe_kernel<kForm>;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(Smem)));
   k<<<sms, kThreads, sizeof(Smem)>>>(2, tiles);  // warm-up
   CK(cudaGetLastError());
@@ -81,25 +81,31 @@ int main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, dev));
+  constexpr size_t kTile = 2 * kT * kN;  // floats of one form's output tiles
   float* tiles = nullptr;
-  CK(cudaMalloc(&tiles, 2 * 2 * kT * kN * sizeof(float)));
-  const double fused = time_ms<true>(sms, iters, tiles + 2 * kT * kN);
-  const double planes = time_ms<false>(sms, iters, tiles);
-  std::vector<float> h(2 * 2 * kT * kN);
+  CK(cudaMalloc(&tiles, 3 * kTile * sizeof(float)));
+  const double ms[3] = {time_ms<kPlanes>(sms, iters, tiles),
+                        time_ms<kPlanesFp32>(sms, iters, tiles + kTile),
+                        time_ms<kFused>(sms, iters, tiles + 2 * kTile)};
+  std::vector<float> h(3 * kTile);
   CK(cudaMemcpy(h.data(), tiles, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  const bool same = std::memcmp(h.data(), h.data() + 2 * kT * kN, 2 * kT * kN * sizeof(float)) == 0;
-  // mma per chunk (m16n8k16, three per split product): planes 32 build tiles x 4 k steps x 6
-  // + 16 warps x 4 column blocks x 4 k steps x 6; fused 16 warps x (4 S blocks x 4 x 6 + 4 x 4 x
-  // 6).
-  const int mma_planes = 32 * 4 * 6 + 16 * kNB * 4 * 6, mma_fused = 16 * (4 * 4 * 6 + kNB * 4 * 6);
+  const bool same = std::memcmp(h.data(), h.data() + kTile, kTile * sizeof(float)) == 0 &&
+                    std::memcmp(h.data(), h.data() + 2 * kTile, kTile * sizeof(float)) == 0;
+  // mma per chunk (m16n8k16, three per split product): the planes forms 32 build tiles x 4 k
+  // steps x 6 + 16 warps x 4 column blocks x 4 k steps x 6; fused 16 warps x (4 S blocks x 4 x 6
+  // + 4 x 4 x 6).
+  const int mma[3] = {32 * 4 * 6 + 16 * kNB * 4 * 6, 32 * 4 * 6 + 16 * kNB * 4 * 6,
+                      16 * (4 * 4 * 6 + kNB * 4 * 6)};
+  const char* name[3] = {"planes (M from the accumulators, one barrier)",
+                         "planes via fp32 S tiles (as the K3, two barriers)",
+                         "fused (S in registers, no barrier)"};
   std::printf("device %s, %d SMs, %d chunks per SM, smem %zu bytes per CTA\n", prop.name, sms,
               iters, sizeof(Smem));
   std::printf(
       "| form | us per chunk per SM | mma per chunk | ns per mma per SM |\n|---|---|---|---|\n");
-  std::printf("| planes (builds + barrier) | %.3f | %d | %.3f |\n", planes * 1e3 / iters,
-              mma_planes, planes * 1e6 / iters / mma_planes);
-  std::printf("| fused (S in registers) | %.3f | %d | %.3f |\n", fused * 1e3 / iters, mma_fused,
-              fused * 1e6 / iters / mma_fused);
+  for (int f = 0; f < 3; ++f)
+    std::printf("| %s | %.3f | %d | %.3f |\n", name[f], ms[f] * 1e3 / iters, mma[f],
+                ms[f] * 1e6 / iters / mma[f]);
   std::printf("outputs bitwise identical: %s\n", same ? "yes" : "NO");
   CK(cudaFree(tiles));
   return same ? 0 : 1;

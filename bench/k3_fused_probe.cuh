@@ -15,11 +15,20 @@ using namespace mamba3::cuda::mimo;
 constexpr int kT = 64, kN = 128, kP = 64, kC = 16, kR = 4, kWarps = 16, kThreads = 32 * kWarps;
 constexpr int kLdP = kP + 8, kLdN = kN + 8, kLdT = kT + 8;  // padded rows, as the K3's planes
 constexpr int kNB = 4;                                      // 64 output columns per warp
+constexpr int kLdS = kT + 4;                                // fp32 S tiles' rows (K3-like form)
+
+// The forms of one chunk's M1 kh / M2 qh products (bench/k3_fused_probe.cu).
+enum Form : int {
+  kPlanes = 0,      // M tiles built straight from the first product's accumulators
+  kPlanesFp32 = 1,  // as the K3: S = XG / KQ stored as fp32 tiles, a barrier, M built from them
+  kFused = 2,       // warp_fused_coef_mma: no build, no barrier
+};
 
 struct Smem {
   __nv_bfloat16 g[2 * kT * kLdP], x[2 * kT * kLdP];    // [t][p] hi / lo planes
   __nv_bfloat16 kh[2 * kT * kLdN], qh[2 * kT * kLdN];  // [t][n]
-  __nv_bfloat16 m1[2 * kT * kLdT], m2[2 * kT * kLdT];  // [t][t'] (planes form only)
+  __nv_bfloat16 m1[2 * kT * kLdT], m2[2 * kT * kLdT];  // [t][t'] (planes forms)
+  float s1[kT * kLdS], s2[kT * kLdS];                  // [t][t'] fp32 (kPlanesFp32)
   float W[kC * kC], ts[kT];
 };
 
@@ -40,7 +49,7 @@ struct Coef {  // step-causal mask, segment decay, per-column scale: M's coeffic
 // `iters` chunks on the data this CTA's threads first write into s; returns the thread's sum of
 // its outputs (kept observable by the caller). write_tiles: the last chunk's output tiles to
 // tiles ([dqh | dkh][64 rows][128 columns] floats).
-template <bool kFused>
+template <int kForm>
 MB_DEV float run_chunks(Smem& s, int iters, float* tiles, bool write_tiles) {
   const int tid = mb_tid(), w = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
   for (int e = 2 * tid; e < kT * kP; e += 2 * kThreads) {
@@ -68,7 +77,7 @@ MB_DEV float run_chunks(Smem& s, int iters, float* tiles, bool write_tiles) {
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
     for (int nb = 0; nb < kNB; ++nb) zero_acc(out[nb]);
-    if constexpr (kFused) {
+    if constexpr (kForm == kFused) {
       const Coef coef{s.W, s.ts, 16 * rb};
       if (half == 0)
         warp_fused_coef_mma<kT, kNB>(out, G, 16 * rb, kP, X, KH, 64 * cb, coef);
@@ -76,7 +85,8 @@ MB_DEV float run_chunks(Smem& s, int iters, float* tiles, bool write_tiles) {
         warp_fused_coef_mma<kT, kNB>(out, X, 16 * rb, kP, G, QH, 64 * cb, coef);
     } else {
       // Build: tile (w & 3, w >> 2) of M1 and of M2 (16 x 16 each: rows 16 (w & 3), columns
-      // 16 (w >> 2)), coefficients applied, split into the planes.
+      // 16 (w >> 2)), coefficients applied, split into the planes; kPlanesFp32 stores S as fp32
+      // first and builds M from those tiles after a barrier, each thread 8 pairs.
       const int tr = w & 3, tc = w >> 2;
       const Coef coef{s.W, s.ts, 16 * tr};
 #pragma unroll
@@ -84,17 +94,34 @@ MB_DEV float run_chunks(Smem& s, int iters, float* tiles, bool write_tiles) {
         float acc[2][4];
         zero_acc(acc);
         warp_mma_16x16<false, false, 4>(acc, which ? X : G, 16 * tr, which ? G : X, 16 * tc, 0, kP);
-        __nv_bfloat16* m = which ? s.m2 : s.m1;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int c = 16 * tc + 8 * j + 2 * q;
-          st_split2(m, kT * kLdT, (16 * tr + g) * kLdT + c, acc[j][0] * coef(g, c),
-                    acc[j][1] * coef(g, c + 1));
-          st_split2(m, kT * kLdT, (16 * tr + g + 8) * kLdT + c, acc[j][2] * coef(g + 8, c),
-                    acc[j][3] * coef(g + 8, c + 1));
+          if constexpr (kForm == kPlanesFp32) {
+            float* st = which ? s.s2 : s.s1;
+            st[(16 * tr + g) * kLdS + c] = acc[j][0], st[(16 * tr + g) * kLdS + c + 1] = acc[j][1];
+            st[(16 * tr + g + 8) * kLdS + c] = acc[j][2];
+            st[(16 * tr + g + 8) * kLdS + c + 1] = acc[j][3];
+          } else {
+            __nv_bfloat16* m = which ? s.m2 : s.m1;
+            st_split2(m, kT * kLdT, (16 * tr + g) * kLdT + c, acc[j][0] * coef(g, c),
+                      acc[j][1] * coef(g, c + 1));
+            st_split2(m, kT * kLdT, (16 * tr + g + 8) * kLdT + c, acc[j][2] * coef(g + 8, c),
+                      acc[j][3] * coef(g + 8, c + 1));
+          }
         }
       }
       mb_sync();
+      if constexpr (kForm == kPlanesFp32) {
+        const Coef all{s.W, s.ts, 0};
+        for (int e = 2 * tid; e < 2 * kT * kT; e += 2 * kThreads) {
+          const int which = e >= kT * kT, i = (e % (kT * kT)) / kT, j = e % kT;
+          const float* st = (which ? s.s2 : s.s1) + i * kLdS + j;
+          st_split2(which ? s.m2 : s.m1, kT * kLdT, i * kLdT + j, st[0] * all(i, j),
+                    st[1] * all(i, j + 1));
+        }
+        mb_sync();
+      }
       // (Copies, not references to one of two tiles: that would put both on the stack.)
       const SplitTile MA = half ? M2 : M1, MB = half ? QH : KH;
 #pragma unroll

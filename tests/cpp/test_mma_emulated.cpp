@@ -171,18 +171,24 @@ TEST(MmaEmulated, FusedCoefProductMatchesTheDoubleProduct) {
   EXPECT_EQ(masked_rows, 16);  // the mask is in play: the last steps' columns are zero
 }
 
-// bench/k3_fused_probe.cu's two forms of one chunk's M1 kh / M2 qh products (today's planes form
-// and the fused form) on the emulated 16-warp CTA: the same bits, every element written, and
+// bench/k3_fused_probe.cu's three forms of one chunk's M1 kh / M2 qh products (today's planes
+// form, with and without the fp32 tiles, and the fused form) on the emulated 16-warp CTA: the same
+// bits, every element written, and
 // the float64 products of the probe's data (so that a wrong tile index in both forms alike fails
 // too).
 TEST(MmaEmulated, K3ProbeFormsGiveIdenticalBits) {
   namespace kp = mamba3::bench::k3probe;
   constexpr int T = kp::kT, N = kp::kN, P = kp::kP;
-  auto fused = std::make_unique<kp::Smem>(), planes = std::make_unique<kp::Smem>();
-  std::vector<float> tf(2 * T * N, std::nanf("")), tp(2 * T * N, std::nanf(""));
-  test::emu::launch(1, kp::kThreads, [&] { kp::run_chunks<true>(*fused, 1, tf.data(), true); });
-  test::emu::launch(1, kp::kThreads, [&] { kp::run_chunks<false>(*planes, 1, tp.data(), true); });
-  EXPECT_EQ(std::memcmp(tf.data(), tp.data(), tf.size() * sizeof(float)), 0);
+  auto smem = std::make_unique<kp::Smem>();
+  std::vector<float> tp(2 * T * N, std::nanf("")), t32(tp), tf(tp);
+  test::emu::launch(1, kp::kThreads,
+                    [&] { kp::run_chunks<kp::kPlanes>(*smem, 1, tp.data(), true); });
+  test::emu::launch(1, kp::kThreads,
+                    [&] { kp::run_chunks<kp::kPlanesFp32>(*smem, 1, t32.data(), true); });
+  test::emu::launch(1, kp::kThreads,
+                    [&] { kp::run_chunks<kp::kFused>(*smem, 1, tf.data(), true); });
+  EXPECT_EQ(std::memcmp(t32.data(), tp.data(), tp.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(tf.data(), tp.data(), tp.size() * sizeof(float)), 0);
   // The probe's inputs, as its kernel writes them (pairs of elements e, e + 1 from one hash).
   auto pairs = [](int n, int mul, int add) {
     std::vector<double> v(n);
@@ -209,7 +215,10 @@ TEST(MmaEmulated, K3ProbeFormsGiveIdenticalBits) {
       }
       for (int n = 0; n < N; ++n) {
         double ref = 0, mag = 0;
-        for (int j = 0; j < T; ++j) ref += m[j] * c[j * N + n], mag += std::fabs(m[j] * c[j * N + n]);
+        for (int j = 0; j < T; ++j) {
+          ref += m[j] * c[j * N + n];
+          mag += std::fabs(m[j] * c[j * N + n]);
+        }
         const float got = tp[(half * T + i) * N + n];
         ASSERT_FALSE(std::isnan(got)) << half << " (" << i << ", " << n << ")";
         EXPECT_NEAR(got, ref, 1e-4 * mag + 1e-30) << half << " (" << i << ", " << n << ")";
