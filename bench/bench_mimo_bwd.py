@@ -611,6 +611,20 @@ def report(op, rows, dev_name, copy_gbps, mm_tflops, up_note, compile_note, use_
     return header, agreement, "\n".join(lines), geo, cmp_name
 
 
+def late_compile_note(limit_s, ready_then, total, ready_end=None):
+    """The note for upstream compiles that passed their time limit: how many kernels were
+    ready then and, once the run has timed its shapes, how many by its end (a kernel finished
+    after the limit is timed if it is ready by its shape's turn)."""
+    if ready_end is None:
+        counts = f"{ready_then} of {total} kernels ready"
+    else:
+        counts = (f"{ready_then} of {total} kernels ready then, {ready_end} by the end of the "
+                  "run; a kernel that was ready by its shape's turn was timed, so compiles ran "
+                  "beside part of the timed phase")
+    return (f"upstream compile did not finish within {limit_s:.0f} s ({counts}); "
+            "the shapes missing one have no upstream time")
+
+
 def main():
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -740,9 +754,7 @@ def main():
                                 for k, s_ in jobs) + ")")
         else:
             ready_at_limit = len(compiler.kernels)
-            compile_note = (f"upstream compile did not finish within {compile_timeout:.0f} s "
-                            f"({ready_at_limit} of {len(jobs)} kernels ready); "
-                            "the shapes missing one have no upstream time")
+            compile_note = late_compile_note(compile_timeout, ready_at_limit, len(jobs))
         print(compile_note, flush=True)
         for (k, s_), e in compiler.errors.items():
             print(f"  upstream compile failed for {k} {label(s_)}: {e}", flush=True)
@@ -773,11 +785,8 @@ def main():
         # upstream when its kernel is ready by its turn: say how many were, not only how many
         # were ready at the limit (session 40's table had upstream times at 10 shapes under a
         # note that said 7 of 11 kernels).
-        compile_note = (f"upstream compile did not finish within {compile_timeout:.0f} s "
-                        f"({ready_at_limit} of {len(jobs)} kernels ready then, "
-                        f"{len(compiler.kernels)} by the end of the run; a kernel that was "
-                        "ready by its shape's turn was timed, so compiles ran beside part of "
-                        "the timed phase); the shapes missing one have no upstream time")
+        compile_note = late_compile_note(compile_timeout, ready_at_limit, len(jobs),
+                                         len(compiler.kernels))
 
     # ------------------------------------------------------------------ report
     total_s = time.perf_counter() - t_start
