@@ -69,6 +69,8 @@ double time_ms(int sms, int iters, float* tiles) {
     CK(cudaEventElapsedTime(&ms, a, b));
     if (ms < best) best = ms;
   }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
   return best;
 }
 
