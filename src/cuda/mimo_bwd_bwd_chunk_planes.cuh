@@ -20,12 +20,10 @@
 // stage_chunk); T = C R rows (zero past the sequence).
 //   phase 0  planes qh, kh [T][N] (biased, rotated), x, g = dPhiO [T][P], st = states[c]
 //            [N][P]; the chunk's DD partial (sum g x, from the fp32 values); per-step decays
-//   phase 1  KQ = kh qh^T, XG = x g^T (fp32 [T][T]); M1 (below) into mc, formed from the XG
-//            tiles' accumulators by their warps
+//   phase 1  KQ = kh qh^T, XG = x g^T (fp32 [T][T])
 //   phase 2  by tile ownership (the warp that computes an inter-chunk tile in registers goes on
 //            accumulating the intra-chunk product into it, so SG, SX and kh dS are never
-//            stored), with the masked coefficient matrices in mc one at a time (M2, M3 built
-//            from the fp32 XG / KQ tiles):
+//            stored), with the masked coefficient matrices built one at a time in mc:
 //              dqh = E (g St^T) + M1 kh     (then st is overwritten by dS_c)
 //              dkh = F (x dS^T) + M2 qh
 //              dx  = F ts (kh dS) + M3 g
@@ -363,34 +361,6 @@ BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int
     float* o = out + (m0 + g) * ld + n0 + 8 * j + 2 * q;
     *reinterpret_cast<float2*>(o) = make_float2(acc[j][0], acc[j][1]);
     *reinterpret_cast<float2*>(o + 8 * ld) = make_float2(acc[j][2], acc[j][3]);
-  }
-}
-
-// M1 (the dqh product's coefficients: M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)], j < i,
-// 0 elsewhere and on rows past the sequence) formed by phase 1's owner of XG tile (m0, n0),
-// m0 <= n0, from its accumulators: M1 block (n0, m0), transposed, one element at a time. The
-// same value as the build from the fp32 XG tile did ((Wf ts_j) XG, split hi / lo by element:
-// split2f splits a pair element-wise), so the same bits. Why: the build took its own loop over
-// the XG tile, read back from shared memory, and a barrier before the dqh products; here the
-// stores run on the XG warps while the KQ warps (twice the k steps) finish, and phase 1's barrier
-// publishes them. Two-byte stores: the transposed pairs are in different lanes.
-template <class Wfn>
-BB_DEV void m1_from_xg_tile(const float (&acc)[2][4], int m0, int n0, const mimo::SplitTile& Mc,
-                            int lgR, int TL, const Wfn& Wf, const float* s_ts) {
-  const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
-  BB_UNROLL
-  for (int j = 0; j < 2; ++j) {
-    BB_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int xr = m0 + g + 8 * (e >> 1), xc = n0 + 8 * j + 2 * q + (e & 1);
-      const int i = xc >> lgR, jj = xr >> lgR;  // M1's row (xc) and column (xr) steps
-      float m = 0.f;
-      if (jj < i && xc < TL) m = (Wf(i, jj) * s_ts[jj]) * acc[j][e];
-      const __nv_bfloat16 hi = __float2bfloat16_rn(m);
-      const int off = xc * Mc.ld + xr;
-      Mc.h[off] = hi;
-      Mc.h[Mc.plane + off] = __float2bfloat16_rn(m - __bfloat162float(hi));
-    }
   }
 }
 
@@ -1350,29 +1320,33 @@ struct XGPair {
   float2 x, g;
 };
 
-// The warp tasks of the planes K3's coefficient builds (M2, M3: [T][T], T = 16 nT, nT in
-// {1, 2, 4}: make_plan; M1 is formed in phase 1, m1_from_xg_tile). Each product reads its
-// coefficient matrix only on one side of the block diagonal: M1 (dqh, k up to dqh_ke = m0 + 16)
-// the 16 x 16 blocks (a, b) with b <= a, M2 and M3 (dkh and dx from dkh_kb = m0) those with
-// b >= a. So the builds form only those: nT (nT + 1) / 2 blocks of nT^2 (10 of 16 at T = 64:
-// 37.5% fewer tasks, at most 3 per warp instead of 4; 3 of 4 at T = 32), four warp tasks per
-// block, the blocks listed 4 bits each (a | b << 2) in one 64-bit constant. The unbuilt blocks
-// keep the previous matrix's values, which no product reads: the same operands, the same bits.
-constexpr uint64_t coef_blocks_upper_pack(int nT) {
+// The warp tasks of the planes K3's coefficient builds (M1, M2, M3: [T][T], T = 16 nT, nT in
+// {1, 2, 4}: make_plan). Each product reads its coefficient matrix only on one side of the
+// block diagonal: M1 (dqh, k up to dqh_ke = m0 + 16) the 16 x 16 blocks (a, b) with b <= a, M2
+// and M3 (dkh and dx from dkh_kb = m0) those with b >= a. So the builds form only those:
+// nT (nT + 1) / 2 blocks of nT^2 (10 of 16 at T = 64: 37.5% fewer tasks, at most 3 per warp
+// instead of 4; 3 of 4 at T = 32), four warp tasks per block, the blocks listed 4 bits each
+// (a | b << 2) in one 64-bit constant. The unbuilt blocks keep the previous matrix's values,
+// which no product reads: the same operands, the same bits.
+constexpr uint64_t coef_blocks_pack(int nT, bool lower) {
   uint64_t t = 0;
   int k = 0;
   for (int a = 0; a < nT; ++a)
-    for (int b = 0; b <= a; ++b, ++k) t |= static_cast<uint64_t>(b | a << 2) << (4 * k);
+    for (int b = 0; b <= a; ++b, ++k)
+      t |= static_cast<uint64_t>(lower ? a | b << 2 : b | a << 2) << (4 * k);
   return t;
 }
 struct CoefBlocks {
-  static constexpr uint64_t kUpper4 = coef_blocks_upper_pack(4);
-  static constexpr uint64_t kUpper2 = coef_blocks_upper_pack(2);
-  static constexpr uint64_t kOne = coef_blocks_upper_pack(1);
+  static constexpr uint64_t kLower4 = coef_blocks_pack(4, true);
+  static constexpr uint64_t kUpper4 = coef_blocks_pack(4, false);
+  static constexpr uint64_t kLower2 = coef_blocks_pack(2, true);
+  static constexpr uint64_t kUpper2 = coef_blocks_pack(2, false);
+  static constexpr uint64_t kOne = coef_blocks_pack(1, true);
   uint64_t list;
   int tasks;  // warp tasks: 4 per block
-  BB_DEV explicit CoefBlocks(int nT)
-      : list(nT == 4 ? kUpper4 : nT == 2 ? kUpper2 : kOne), tasks(2 * nT * (nT + 1)) {}
+  BB_DEV CoefBlocks(int nT, bool lower)
+      : list(nT == 4 ? (lower ? kLower4 : kUpper4) : nT == 2 ? (lower ? kLower2 : kUpper2) : kOne),
+        tasks(2 * nT * (nT + 1)) {}
   BB_DEV int entry(int wt) const { return static_cast<int>(list >> (4 * (wt >> 2))) & 15; }
   // First row / column of warp task wt's block.
   BB_DEV int a16(int wt) const { return (entry(wt) & 3) * 16; }
@@ -2012,10 +1986,6 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
                                                                     0, N, Kh, Qh, n0);
         store_tile(acc[0], ma, n0, xg ? XG : KQ, ldk);
         store_tile(acc[1], mb, n0, xg ? XG : KQ, ldk);
-        if (xg) {
-          if (ma <= n0) m1_from_xg_tile(acc[0], ma, n0, Mc, lgR, TL, Wf, s_ts);
-          if (mb <= n0) m1_from_xg_tile(acc[1], mb, n0, Mc, lgR, TL, Wf, s_ts);
-        }
       }
     } else {
       for (int tile = warp; tile < 2 * nT * nT; tile += kPlanesWarps) {
@@ -2029,17 +1999,36 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         else
           warp_mma_16x16<false, false, kMmaUnroll, kInc>(acc, Kh, m0, Qh, n0, 0, N);
         store_tile(acc, m0, n0, xg ? XG : KQ, ldk);
-        if (xg && m0 <= n0) m1_from_xg_tile(acc, m0, n0, Mc, lgR, TL, Wf, s_ts);
       }
     }
-    bb_sync();  // KQ, XG and M1
+    bb_sync();
 
-    // ---- phase 2: dqh = E (g St^T) + M1 kh, M1 formed in phase 1 (m1_from_xg_tile).
-    // The other coefficient matrices (M2, M3) are built by (row, column pair) tasks, one split
-    // pair store per task; the two columns share their step j (one weight) unless R = 1. The
-    // builds with R compile-time (with_pow2): constant shifts, and at R > 1 the second column's
-    // step, weight and mask are the first's (ca even), not formed (and loaded) again. Only the
-    // 16 x 16 blocks the product reads are built, by warp tasks (CoefBlocks).
+    // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
+    // The coefficient matrices are built by (row, column pair) tasks, one split pair store per
+    // task; the two columns share their step j (one weight) unless R = 1. The three builds with
+    // R compile-time (with_pow2): constant shifts, and at R > 1 the second column's step, weight
+    // and mask are the first's (ca even), not formed (and loaded) again. Only the 16 x 16
+    // blocks the product reads are built, by warp tasks (CoefBlocks). M1 reads XG transposed:
+    // its warp task is 16 rows (lanes) x 2 column pairs, conflict-free loads (the pairs
+    // 2 (T + kPlanesPad) floats, 16 banks, apart) and 2-way conflicted stores (4-way with 32
+    // rows per warp).
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      const CoefBlocks cbl(nT, true);
+      BB_NO_UNROLL  // (as before the templating: unrolled, four copies would be ~1K instructions)
+      for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
+        const int row = cbl.a16(wt) + (lane & 15);
+        const int ca = cbl.b16(wt) + 4 * (wt & 3) + 2 * (lane >> 4), i = row >> LR;
+        const int j0 = ca >> LR, j1 = LR > 0 ? j0 : ca + 1;
+        const bool live0 = j0 < i && row < TL, live1 = LR > 0 ? live0 : j1 < i && row < TL;
+        const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
+        const float w1 = LR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
+        st_split_pair(Mc, row * ldT + ca,
+                      make_float2(live0 ? w0 * XG[ca * ldk + row] : 0.f,
+                                  live1 ? w1 * XG[(ca + 1) * ldk + row] : 0.f));
+      }
+    });
+    bb_sync();
     float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
     // Tile u of this warp among the nT nN dqh / dkh tiles (at most two per warp: make_plan):
     // warp w owns tiles w and 2 W - 1 - w (W warps), so that each warp has a row block with
@@ -2096,7 +2085,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // (Not unrolled: it runs with the dqh accumulators live; unrolled, it spilled.)
     with_pow2(lgR, [&](auto kr) {
       constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
-      const CoefBlocks cbl(nT);
+      const CoefBlocks cbl(nT, false);
       BB_NO_UNROLL
       for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
         const int cb = cbl.b16(wt) + 2 * (lane & 7), row = cbl.row_rm(wt, lane), i = row >> LR;
@@ -2139,7 +2128,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
     with_pow2(lgR, [&](auto kr) {
       constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
-      const CoefBlocks cbl(nT);
+      const CoefBlocks cbl(nT, false);
       BB_NO_UNROLL  // (as M1)
       for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
         const int cb = cbl.b16(wt) + 2 * (lane & 7), row = cbl.row_rm(wt, lane), i = row >> LR,
