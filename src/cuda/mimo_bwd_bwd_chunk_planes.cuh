@@ -20,12 +20,10 @@
 // stage_chunk); T = C R rows (zero past the sequence).
 //   phase 0  planes qh, kh [T][N] (biased, rotated), x, g = dPhiO [T][P], st = states[c]
 //            [N][P]; the chunk's DD partial (sum g x, from the fp32 values); per-step decays
-//   phase 1  KQ = kh qh^T, XG = x g^T (fp32 [T][T]); M1 and M2 (below) into mc (M2's diagonal
-//            blocks into md), formed from the XG tiles' accumulators by their warps
+//   phase 1  KQ = kh qh^T, XG = x g^T (fp32 [T][T])
 //   phase 2  by tile ownership (the warp that computes an inter-chunk tile in registers goes on
 //            accumulating the intra-chunk product into it, so SG, SX and kh dS are never
-//            stored), with the masked coefficient matrices M1, M2 from phase 1, then M3 built
-//            into mc from the fp32 KQ tile:
+//            stored), with the masked coefficient matrices built one at a time in mc:
 //              dqh = E (g St^T) + M1 kh     (then st is overwritten by dS_c)
 //              dkh = F (x dS^T) + M2 qh
 //              dx  = F ts (kh dS) + M3 g
@@ -363,64 +361,6 @@ BB_DEV void store_tile(const float (&acc)[2][4], int m0, int n0, float* out, int
     float* o = out + (m0 + g) * ld + n0 + 8 * j + 2 * q;
     *reinterpret_cast<float2*>(o) = make_float2(acc[j][0], acc[j][1]);
     *reinterpret_cast<float2*>(o + 8 * ld) = make_float2(acc[j][2], acc[j][3]);
-  }
-}
-
-// M1 (the dqh product's coefficients: M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)], j < i,
-// 0 elsewhere and on rows past the sequence) formed by phase 1's owner of XG tile (m0, n0),
-// m0 <= n0, from its accumulators: M1 block (n0, m0), transposed, one element at a time. The
-// same value as the build from the fp32 XG tile did ((Wf ts_j) XG, split hi / lo by element:
-// split2f splits a pair element-wise), so the same bits. Why: the build took its own loop over
-// the XG tile, read back from shared memory, and a barrier before the dqh products; here the
-// stores run on the XG warps while the KQ warps (twice the k steps) finish, and phase 1's barrier
-// publishes them. Two-byte stores: the transposed pairs are in different lanes.
-template <class Wfn>
-BB_DEV void m1_from_xg_tile(const float (&acc)[2][4], int m0, int n0, const mimo::SplitTile& Mc,
-                            int lgR, int TL, const Wfn& Wf, const float* s_ts) {
-  const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
-  BB_UNROLL
-  for (int j = 0; j < 2; ++j) {
-    BB_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int xr = m0 + g + 8 * (e >> 1), xc = n0 + 8 * j + 2 * q + (e & 1);
-      const int i = xc >> lgR, jj = xr >> lgR;  // M1's row (xc) and column (xr) steps
-      float m = 0.f;
-      if (jj < i && xc < TL) m = (Wf(i, jj) * s_ts[jj]) * acc[j][e];
-      const __nv_bfloat16 hi = __float2bfloat16_rn(m);
-      const int off = xc * Mc.ld + xr;
-      Mc.h[off] = hi;
-      Mc.h[Mc.plane + off] = __float2bfloat16_rn(m - __bfloat162float(hi));
-    }
-  }
-}
-
-// M2 (the dkh product's coefficients: M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)], j > i,
-// j < L, 0 elsewhere) formed by the same owner of XG tile (m0, n0), m0 <= n0, from its
-// accumulators: block (m0, n0) of mc where m0 < n0 (M1 reads only the blocks on and below the
-// diagonal), the diagonal blocks in md (M1's are in mc). The same values as the build from the
-// fp32 XG tile did, so the same bits. Why: that build was K3's largest (its own loop over XG
-// read back from shared memory, every warp, between the dqh and dkh products).
-template <class Wfn>
-BB_DEV void m2_from_xg_tile(const float (&acc)[2][4], int m0, int n0, const mimo::SplitTile& Mc,
-                            const mimo::SplitTile& Md, int lgR, int L, const Wfn& Wf) {
-  const int lane = bb_tid() & 31, g = lane >> 2, q = lane & 3;
-  const bool diag = m0 == n0;
-  // (Formed, not one of two references: a reference to either tile would put both on the
-  // stack.)
-  const mimo::SplitTile M{diag ? Md.h : Mc.h, diag ? Md.plane : Mc.plane, diag ? Md.ld : Mc.ld};
-  const int c0 = diag ? m0 : 0;  // md's columns start at the block's first
-  BB_UNROLL
-  for (int j = 0; j < 2; ++j) {
-    BB_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const int xr = m0 + g + 8 * h, xc = n0 + 8 * j + 2 * q;
-      const int i = xr >> lgR, j0 = xc >> lgR, j1 = (xc + 1) >> lgR;
-      const bool live0 = j0 > i && j0 < L, live1 = j1 > i && j1 < L;
-      const float w0 = live0 ? Wf(j0, i) : 0.f, w1 = live1 ? Wf(j1, i) : 0.f;
-      st_split_pair(M, xr * M.ld + xc - c0,
-                    make_float2(live0 ? w0 * acc[j][2 * h] : 0.f,
-                                live1 ? w1 * acc[j][2 * h + 1] : 0.f));
-    }
   }
 }
 
@@ -1380,34 +1320,38 @@ struct XGPair {
   float2 x, g;
 };
 
-// The warp tasks of the planes K3's coefficient build (M3: [T][T], T = 16 nT, nT in {1, 2, 4}:
-// make_plan; M1 and M2 are formed in phase 1, m1_from_xg_tile / m2_from_xg_tile). Each product
-// reads its coefficient matrix only on one side of the block diagonal: M1 (dqh, k up to dqh_ke =
-// m0 + 16) the 16 x 16 blocks (a, b) with b <= a, M2 and M3 (dkh and dx from dkh_kb = m0) those
-// with b >= a. So the builds form only those: nT (nT + 1) / 2 blocks of nT^2 (10 of 16 at T = 64:
-// 37.5% fewer tasks, at most 3 per warp instead of 4; 3 of 4 at T = 32), four warp tasks per
-// block, the blocks listed 4 bits each (a | b << 2) in one 64-bit constant. The unbuilt blocks
-// keep the previous matrix's values, which no product reads: the same operands, the same bits.
-constexpr uint64_t coef_blocks_upper_pack(int nT) {
+// The warp tasks of the planes K3's coefficient builds (M1, M2, M3: [T][T], T = 16 nT, nT in
+// {1, 2, 4}: make_plan). Each product reads its coefficient matrix only on one side of the
+// block diagonal: M1 (dqh, k up to dqh_ke = m0 + 16) the 16 x 16 blocks (a, b) with b <= a, M2
+// and M3 (dkh and dx from dkh_kb = m0) those with b >= a. So the builds form only those:
+// nT (nT + 1) / 2 blocks of nT^2 (10 of 16 at T = 64: 37.5% fewer tasks, at most 3 per warp
+// instead of 4; 3 of 4 at T = 32), four warp tasks per block, the blocks listed 4 bits each
+// (a | b << 2) in one 64-bit constant. The unbuilt blocks keep the previous matrix's values,
+// which no product reads: the same operands, the same bits.
+constexpr uint64_t coef_blocks_pack(int nT, bool lower) {
   uint64_t t = 0;
   int k = 0;
   for (int a = 0; a < nT; ++a)
-    for (int b = 0; b <= a; ++b, ++k) t |= static_cast<uint64_t>(b | a << 2) << (4 * k);
+    for (int b = 0; b <= a; ++b, ++k)
+      t |= static_cast<uint64_t>(lower ? a | b << 2 : b | a << 2) << (4 * k);
   return t;
 }
 struct CoefBlocks {
-  static constexpr uint64_t kUpper4 = coef_blocks_upper_pack(4);
-  static constexpr uint64_t kUpper2 = coef_blocks_upper_pack(2);
-  static constexpr uint64_t kOne = coef_blocks_upper_pack(1);
+  static constexpr uint64_t kLower4 = coef_blocks_pack(4, true);
+  static constexpr uint64_t kUpper4 = coef_blocks_pack(4, false);
+  static constexpr uint64_t kLower2 = coef_blocks_pack(2, true);
+  static constexpr uint64_t kUpper2 = coef_blocks_pack(2, false);
+  static constexpr uint64_t kOne = coef_blocks_pack(1, true);
   uint64_t list;
   int tasks;  // warp tasks: 4 per block
-  BB_DEV explicit CoefBlocks(int nT)
-      : list(nT == 4 ? kUpper4 : nT == 2 ? kUpper2 : kOne), tasks(2 * nT * (nT + 1)) {}
+  BB_DEV CoefBlocks(int nT, bool lower)
+      : list(nT == 4 ? (lower ? kLower4 : kUpper4) : nT == 2 ? (lower ? kLower2 : kUpper2) : kOne),
+        tasks(2 * nT * (nT + 1)) {}
   BB_DEV int entry(int wt) const { return static_cast<int>(list >> (4 * (wt >> 2))) & 15; }
   // First row / column of warp task wt's block.
   BB_DEV int a16(int wt) const { return (entry(wt) & 3) * 16; }
   BB_DEV int b16(int wt) const { return (entry(wt) >> 2) * 16; }
-  // M3 (row-major reads of KQ): lane l of warp task wt takes column pair l & 7 of the
+  // M2 / M3 (row-major reads of XG / KQ): lane l of warp task wt takes column pair l & 7 of the
   // block and row a16 + 2 (l >> 3) (+ 1, + 8, + 9 for wt & 3 = 1, 2, 3). Rows 2 apart are
   // 2 (T + kPlanesPad) floats of XG / KQ (16 banks: a half-warp's float2 loads conflict-free)
   // and T + kPlanesPad words of mc (the four rows' 8-word pair stores at 8, 16, 24 banks
@@ -1449,7 +1393,6 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
   const SplitTile Qh{bfp(Ly.qh), Ly.plT_N, ldN}, Kh{bfp(Ly.kh), Ly.plT_N, ldN};
   const SplitTile X{bfp(Ly.x), Ly.plT_P, ldP}, Gp{bfp(Ly.g), Ly.plT_P, ldP};
   const SplitTile Sp{bfp(Ly.st), Ly.plN_P, ldP}, Mc{bfp(Ly.mc), Ly.plT_T, ldT};
-  const SplitTile Md{bfp(Ly.md), Ly.plT_D, kPlanesDiagLd};
   float* KQ = flp(Ly.kq);  // [T][ldk] kh_a . qh_b
   float* XG = flp(Ly.xg);  // [T][ldk] x_a . dPhiO_b
   // Their row stride (floats), padded: phase 1's tile stores conflict-free (4-way at T).
@@ -2043,16 +1986,6 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
                                                                     0, N, Kh, Qh, n0);
         store_tile(acc[0], ma, n0, xg ? XG : KQ, ldk);
         store_tile(acc[1], mb, n0, xg ? XG : KQ, ldk);
-        if (xg) {
-          if (ma <= n0) {
-            m1_from_xg_tile(acc[0], ma, n0, Mc, lgR, TL, Wf, s_ts);
-            m2_from_xg_tile(acc[0], ma, n0, Mc, Md, lgR, L, Wf);
-          }
-          if (mb <= n0) {
-            m1_from_xg_tile(acc[1], mb, n0, Mc, lgR, TL, Wf, s_ts);
-            m2_from_xg_tile(acc[1], mb, n0, Mc, Md, lgR, L, Wf);
-          }
-        }
       }
     } else {
       for (int tile = warp; tile < 2 * nT * nT; tile += kPlanesWarps) {
@@ -2066,20 +1999,36 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
         else
           warp_mma_16x16<false, false, kMmaUnroll, kInc>(acc, Kh, m0, Qh, n0, 0, N);
         store_tile(acc, m0, n0, xg ? XG : KQ, ldk);
-        if (xg && m0 <= n0) {
-          m1_from_xg_tile(acc, m0, n0, Mc, lgR, TL, Wf, s_ts);
-          m2_from_xg_tile(acc, m0, n0, Mc, Md, lgR, L, Wf);
-        }
       }
     }
-    bb_sync();  // KQ, XG, M1 and M2
+    bb_sync();
 
-    // ---- phase 2: dqh = E (g St^T) + M1 kh, M1 formed in phase 1 (m1_from_xg_tile).
-    // The other coefficient matrices (M2, M3) are built by (row, column pair) tasks, one split
-    // pair store per task; the two columns share their step j (one weight) unless R = 1. The
-    // builds with R compile-time (with_pow2): constant shifts, and at R > 1 the second column's
-    // step, weight and mask are the first's (ca even), not formed (and loaded) again. Only the
-    // 16 x 16 blocks the product reads are built, by warp tasks (CoefBlocks).
+    // ---- phase 2: dqh. M1[(i,r)][(j,r')] = W[i][j] ts_j XG[(j,r')][(i,r)] (j < i).
+    // The coefficient matrices are built by (row, column pair) tasks, one split pair store per
+    // task; the two columns share their step j (one weight) unless R = 1. The three builds with
+    // R compile-time (with_pow2): constant shifts, and at R > 1 the second column's step, weight
+    // and mask are the first's (ca even), not formed (and loaded) again. Only the 16 x 16
+    // blocks the product reads are built, by warp tasks (CoefBlocks). M1 reads XG transposed:
+    // its warp task is 16 rows (lanes) x 2 column pairs, conflict-free loads (the pairs
+    // 2 (T + kPlanesPad) floats, 16 banks, apart) and 2-way conflicted stores (4-way with 32
+    // rows per warp).
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      const CoefBlocks cbl(nT, true);
+      BB_NO_UNROLL  // (as before the templating: unrolled, four copies would be ~1K instructions)
+      for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
+        const int row = cbl.a16(wt) + (lane & 15);
+        const int ca = cbl.b16(wt) + 4 * (wt & 3) + 2 * (lane >> 4), i = row >> LR;
+        const int j0 = ca >> LR, j1 = LR > 0 ? j0 : ca + 1;
+        const bool live0 = j0 < i && row < TL, live1 = LR > 0 ? live0 : j1 < i && row < TL;
+        const float w0 = live0 ? Wf(i, j0) * s_ts[j0] : 0.f;
+        const float w1 = LR > 0 ? w0 : live1 ? Wf(i, j1) * s_ts[j1] : 0.f;
+        st_split_pair(Mc, row * ldT + ca,
+                      make_float2(live0 ? w0 * XG[ca * ldk + row] : 0.f,
+                                  live1 ? w1 * XG[(ca + 1) * ldk + row] : 0.f));
+      }
+    });
+    bb_sync();
     float accq[kPlanesTilesPerWarp][2][4], acck[kPlanesTilesPerWarp][2][4];
     // Tile u of this warp among the nT nN dqh / dkh tiles (at most two per warp: make_plan):
     // warp w owns tiles w and 2 W - 1 - w (W warps), so that each warp has a row block with
@@ -2106,9 +2055,6 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     // blocks CoefBlocks builds.
     auto dqh_ke = [&](int m0) { return m0 + 16; };
     auto dkh_kb = [&](int m0) { return m0; };
-    // md as the A operand of row block m0's diagonal k step (rows m0 .., columns k = m0 ..):
-    // element (row, k) at md's (row, k - m0).
-    auto md_at = [&](int m0) { return SplitTile{Md.h - m0, Md.plane, Md.ld}; };
     if constexpr (kPair) {
       // inter_chunk_tile's three steps for both tiles, the products paired.
       const int ma = (acc_tile(0) >> lgnN) * 16, mb = (acc_tile(1) >> lgnN) * 16;
@@ -2131,23 +2077,35 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     }
     bb_sync();  // st and mc are rewritten next
 
-    // ---- dkh. dS_c replaces states[c]; M2 (formed in phase 1: m2_from_xg_tile) in mc and md.
+    // ---- dkh. dS_c replaces states[c]; M2[(i,r2)][(j,r)] = W[j][i] XG[(i,r2)][(j,r)] (j > i).
     pair_rows_lin<DsInFlight<AT>::u, NT>(
         N, lgP, int64_t{P},
         [&](int, int64_t off, int pc) { return *reinterpret_cast<const float2*>(dS + off + pc); },
         [&](int n, int64_t, int pc, float2 v) { st_split_pair(Sp, n * ldP + pc, v); });
-    bb_sync();  // the dS planes
+    // (Not unrolled: it runs with the dqh accumulators live; unrolled, it spilled.)
+    with_pow2(lgR, [&](auto kr) {
+      constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
+      const CoefBlocks cbl(nT, false);
+      BB_NO_UNROLL
+      for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
+        const int cb = cbl.b16(wt) + 2 * (lane & 7), row = cbl.row_rm(wt, lane), i = row >> LR;
+        const int j0 = cb >> LR, j1 = LR > 0 ? j0 : cb + 1;
+        const bool live0 = j0 > i && j0 < L, live1 = LR > 0 ? live0 : j1 > i && j1 < L;
+        const float w0 = live0 ? Wf(j0, i) : 0.f;
+        const float w1 = LR > 0 ? w0 : live1 ? Wf(j1, i) : 0.f;
+        const float2 xg = *reinterpret_cast<const float2*>(XG + row * ldk + cb);
+        st_split_pair(Mc, row * ldT + cb,
+                      make_float2(live0 ? w0 * xg.x : 0.f, live1 ? w1 * xg.y : 0.f));
+      }
+    });
+    bb_sync();  // mc and the dS planes
     const float dda = expf(da_last) * red[2 * kPlanesWarps];
     if constexpr (kPair) {
       const int ma = (acc_tile(0) >> lgnN) * 16, mb = (acc_tile(1) >> lgnN) * 16;
       const int n0 = (acc_tile(0) & (nN - 1)) * 16;
       inter_chunk_pair<kPartRev, kInc>(acck, X, Sp, Kh, ma, mb, n0, P, lgR, s_F, part, nN);  // F SX
-      // M2 qh from each tile's own block (dkh_kb): the diagonal k step from md, the rest from mc
-      // (k in increasing order, as one product over mc: the same bits).
-      warp_mma_16x16<false, true, kMmaUnroll, kInc>(acck[0], md_at(ma), ma, Qh, n0, ma, ma + 16);
-      warp_mma_16x16<false, true, kMmaUnroll, kInc>(acck[1], md_at(mb), mb, Qh, n0, mb, mb + 16);
       mimo::warp_mma_16x16_pair<false, true, kMmaUnroll, kInc>(
-          acck[0], ma, dkh_kb(ma) + 16, T, acck[1], mb, dkh_kb(mb) + 16, T, Mc, Qh, n0);
+          acck[0], ma, dkh_kb(ma), T, acck[1], mb, dkh_kb(mb), T, Mc, Qh, n0);
       tile_row_dots<kPartFac>(Kh, ma, n0, acck[0], part, nN);
       tile_row_dots<kPartFac>(Kh, mb, n0, acck[1], part, nN);
     } else {
@@ -2159,10 +2117,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
           const int m0 = (tile >> lgnN) * 16, n0 = (tile & (nN - 1)) * 16;
           inter_chunk_tile<kPartRev, kInc>(
               acck[u], X, Sp, Kh, m0, n0, P, lgR, s_F, part, nN);  // F SX
-          warp_mma_16x16<false, true, kMmaUnroll, kInc>(acck[u], md_at(m0), m0, Qh, n0, m0,
-                                                        m0 + 16);  // (as the pairs above)
-          warp_mma_16x16<false, true, kMmaUnroll, kInc>(acck[u], Mc, m0, Qh, n0, dkh_kb(m0) + 16,
-                                                        T);
+          warp_mma_16x16<false, true, kMmaUnroll, kInc>(acck[u], Mc, m0, Qh, n0, dkh_kb(m0), T);
           tile_row_dots<kPartFac>(Kh, m0, n0, acck[u], part, nN);
         }
       }
@@ -2173,7 +2128,7 @@ BB_DEV void chunk_planes_body(const AT& a, unsigned char* smem) {
     //                              gamma_i qk_dot[i, r, r2] + D [r = r2] (j = i), 0 (j < i).
     with_pow2(lgR, [&](auto kr) {
       constexpr int KR = decltype(kr)::value, LR = lg_of<KR>;
-      const CoefBlocks cbl(nT);
+      const CoefBlocks cbl(nT, false);
       BB_NO_UNROLL  // (as M1)
       for (int wt = warp; wt < cbl.tasks; wt += kPlanesWarps) {
         const int cb = cbl.b16(wt) + 2 * (lane & 7), row = cbl.row_rm(wt, lane), i = row >> LR,

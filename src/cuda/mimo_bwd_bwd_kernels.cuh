@@ -108,7 +108,6 @@ constexpr int64_t kPlanesSmemMax = 227 * 1024;  // the H100 / H200 per-block opt
 // [T][N] / [T][P] matrices over a dead plane pair (dqh, dkh, dx) take the same row stride in
 // floats (a pair's bytes per row): its 8-byte tile stores are then conflict-free too.
 constexpr int kPlanesPad = 8;
-constexpr int kPlanesDiagLd = 16 + kPlanesPad;  // PlanesLayout::md's row stride (elements)
 
 struct PlanesLayout {
   int ldN = 0, ldP = 0, ldT = 0;  // row strides (elements) of the [.][N], [.][P], [.][T] planes
@@ -119,10 +118,6 @@ struct PlanesLayout {
   // (states[c], then dS_c); mc [T][ldT] (the coefficient matrix of the current product).
   // Reused in phase 3 as fp32: dqh in qh, dkh in kh [T][ldN], dx in x [T][ldP].
   int qh = 0, kh = 0, x = 0, g = 0, st = 0, mc = 0;
-  // bf16 hi/lo planes [T][kPlanesDiagLd]: M2's diagonal 16 x 16 blocks (row block a's columns
-  // 16 a .. 16 a + 15 at 0 .. 15), formed in phase 1 beside M1 in mc (whose diagonal blocks
-  // are M1's).
-  int md = 0, plT_D = 0;
   int kq = 0, xg = 0;  // fp32 [T][ldT]
   // fp32 per-step scalars ([C], dt / lam [C + 1]), qk_dot [C][R][R], the block-sum buffer
   // [2 kPlanesWarps + 1] (block_sum2's per-warp partials, then the DDA total) and three
@@ -177,8 +172,6 @@ constexpr PlanesLayout planes_layout(int64_t N, int64_t P, int64_t R, int64_t C,
   L.part = take(4 * 3 * T * (N / 16));
   L.W = take(4 * C * (C + 1));  // rows of C + 1 floats (chunk_planes_body: Wf)
   L.qb = take(4 * 2 * R * N);
-  L.plT_D = static_cast<int>(T * kPlanesDiagLd);
-  L.md = take(bf2 * T * kPlanesDiagLd);
   const int64_t cs_bytes = 8 * C * std::max<int64_t>(A, 1);
   if (o + cs_bytes <= kPlanesSmemMax) L.cs = take(cs_bytes);
   L.bytes = o;
