@@ -68,8 +68,8 @@ fi
 # What a call carries besides DEST: the tracked files, the untracked ones git does not ignore
 # (a build folder left unignored counts in full: session 41's calls were refused for it) and
 # .upstream (scripts/extract_upstream.sh), which the comparisons carry too.
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null |
-       tail -1 | cut -f1)
+tree=$(git ls-files -z --cached --others --exclude-standard |
+       du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 up=0
 [ -d .upstream ] && up=$(du -sb .upstream | cut -f1)
 carry=$(du -sb "$DEST" | cut -f1)
