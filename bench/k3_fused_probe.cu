@@ -1,5 +1,5 @@
 // Probe for the restructured second-pass K3 (docs/PERF.md, sessions 13-14 and 40): one chunk's
-// coefficient products at N128 P64 T64 (R4 C16) in two forms, on data resident in shared memory
+// coefficient products at N128 P64 T64 (R4 C16) in three forms, on data resident in shared memory
 // (compute only: no global traffic inside the timed loop), one 16-warp CTA per SM:
 //
 //   planes  (today's K3): every warp builds one 16 x 16 tile of M1 = coef o (g x^T) and one of

@@ -31,4 +31,5 @@ for d in mamba_ssm mamba_ssm/ops mamba_ssm/ops/triton mamba_ssm/ops/triton/mamba
          mamba_ssm/ops/tilelang mamba_ssm/ops/tilelang/mamba3; do
   : > ".upstream/$d/__init__.py"
 done
-echo "extracted $(git --git-dir="$SRC" rev-parse --short "$REV") into .upstream ($(du -sk .upstream | cut -f1) KiB)"
+echo "extracted $(git --git-dir="$SRC" rev-parse --short "$REV") into .upstream" \
+     "($(du -sk .upstream | cut -f1) KiB)"

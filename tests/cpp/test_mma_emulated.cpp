@@ -172,10 +172,9 @@ TEST(MmaEmulated, FusedCoefProductMatchesTheDoubleProduct) {
 }
 
 // bench/k3_fused_probe.cu's three forms of one chunk's M1 kh / M2 qh products (today's planes
-// form, with and without the fp32 tiles, and the fused form) on the emulated 16-warp CTA: the same
-// bits, every element written, and
-// the float64 products of the probe's data (so that a wrong tile index in both forms alike fails
-// too).
+// form, with and without the fp32 tiles, and the fused form) on the emulated 16-warp CTA: the
+// same bits, every element written, and the float64 products of the probe's data (so that a
+// wrong tile index in all forms alike fails too).
 TEST(MmaEmulated, K3ProbeFormsGiveIdenticalBits) {
   namespace kp = mamba3::bench::k3probe;
   constexpr int T = kp::kT, N = kp::kN, P = kp::kP;
