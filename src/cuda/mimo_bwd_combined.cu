@@ -29,6 +29,7 @@
 #include "core/mimo_combined_params.hpp"
 #include "cuda/common.cuh"
 #include "cuda/mimo_bwd.hpp"
+#include "cuda/mimo_norm_dd_f64.hpp"
 
 namespace mamba3::cuda {
 namespace {
@@ -388,6 +389,7 @@ struct Layout {
   float *dqh = nullptr, *dkh = nullptr, *dmv = nullptr, *dmo = nullptr,
         *dmz = nullptr, *dnw = nullptr, *dd = nullptr, *dfac = nullptr, *dgam = nullptr,
         *dda = nullptr, *drev = nullptr, *dcs = nullptr, *dssda = nullptr, *part = nullptr;
+  void* ndd = nullptr;  // the float64 dD's workspace (fused norm and D)
   void* sub = nullptr;
   size_t sub_bytes = 0;
   int64_t nseg = 0;
@@ -480,6 +482,8 @@ Layout make_layout(const MimoCombinedParams& cp, unsigned char* base) {
   // reductions
   l.nseg = B * nch;  // one bias partial per (b, chunk) and head
   l.part = take(2 * l.nseg * R * H * N);
+  if (f.has_norm && f.has_d)  // (take's 256-byte alignment suits the doubles)
+    l.ndd = take(static_cast<int64_t>(norm_dd_f64_workspace_bytes(f) / sizeof(float)));
 
   // the passes' own workspace
   l.sub_bytes = std::max(mimo_bwd_fwd_workspace_bytes(f), mimo_bwd_bwd_workspace_bytes(l.b));
@@ -550,6 +554,7 @@ void mimo_bwd_combined(const MimoCombinedParams& cp, void* workspace, size_t wor
     if (l.dmz) ba.o_dmz = view_of(cp.dmimo_z);
     if (l.dnw) ba.o_dnw = view_of(cp.dnorm_weight);
     if (l.dd) ba.o_dd = view_of(cp.dd);
+    if (l.ndd) ba.dd = nullptr;  // dD comes from norm_dd_f64 below
     cb_batch_kernel<<<blocks(3 * H * R * P + H * P + H), kThreads, 0, st>>>(ba);
     check_launch("mimo_bwd_combined: batch reduction kernel");
   }
@@ -565,6 +570,9 @@ void mimo_bwd_combined(const MimoCombinedParams& cp, void* workspace, size_t wor
                      time_smem_bytes(f.C), st>>>(t);
     check_launch("mimo_bwd_combined: dt / trap / adt kernel");
   }
+  // With the fused norm dD is recomputed from the inputs in float64: the second pass's float32
+  // sum of dout_pre_rms . x is ill-conditioned there (mimo_norm_dd_f64.cuh, docs/ACCURACY.md).
+  if (l.ndd) norm_dd_f64(f, l.ndd, cp.dd, st);
 }
 
 }  // namespace mamba3::cuda

@@ -1,0 +1,767 @@
+// dD of mamba3_mimo_bwd_combined with the fused pre-gate RMSNorm, in float64 on the GPU.
+//
+// Why float64: with the norm, dD = sum over rows of dout_pre_rms . x is ill-conditioned in
+// float32. RMSNorm's gradient is orthogonal to its input y, so each row's term is a small
+// remainder of |dout_pre_rms| |x|, and the rows cancel further: on the failing draws of the
+// NormDd tests dD is 1/120 .. 1/5200 of sum |dout_pre_rms| |x|. Every float32 rounding on the
+// way to the readout y (bias add, rotation, exp, the states) moves a row's term by ~2^-24
+// |dout_pre_rms| |x|, so a float32 dD misses the 2x rule against the float32 reference on some
+// draws (docs/ACCURACY.md). The CPU backend recomputes the forward in double for this
+// (norm_dd_f64, src/cpu/mimo_bwd_fwd.cpp); these kernels do the same on the GPU, chunk-parallel:
+//
+//   increment  per (b, h, chunk c < nch - 1, slab of n rows): U_c = sum_j w_j kh_j (x) x_j over
+//              the chunk's rows j = (step, rank), w_j = tscale_j exp(da_cs_rev_j)   [N][P]
+//   scan       per (b, h, element of [N][P]): S_0 = 0, S_{c+1} = exp(da_cs_{last of c}) S_c + U_c,
+//              S_c written over U_c (the state entering chunk c)
+//   readout    per (b, h, chunk): y of every row (inter-chunk qh S_c exp(da_cs_i), the strictly
+//              causal intra-chunk sum, the diagonal gamma_i qh . kh, D x) in row tiles of kTile
+//              rows, flash-style over the earlier tiles; each row's term
+//              rstd (G . x - (y . x) rstd^2 (G . y) / P), G = dL/dxhat = dout Phi silu(z Zeta) w,
+//              summed in row order into the chunk's partial
+//   final      per h: dD = sum over b, then c, of the partials (double), stored in dD's dtype
+//
+// The same formulas as the CPU backend's ChunkForward<double> (tail rule included: a partial
+// last chunk takes its decays from da_cs alone), in another order of operations: both are
+// float64, ~1e-13 apart. Deterministic: fixed owners and fixed-order sums, no atomics.
+// The bodies are plain C++ over ndd_tid / ndd_bid / ndd_sync, so that they also run on the host
+// (tests/cpp/test_mimo_norm_dd_emulated.cpp).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/rt_dtype.cuh"
+
+#if defined(__CUDACC__)
+#define NDD_DEV __device__ __forceinline__
+#define NDD_HD __host__ __device__ inline
+#define NDD_UNROLL _Pragma("unroll")
+#else
+#define NDD_DEV inline
+#define NDD_HD inline
+#define NDD_UNROLL
+#endif
+
+namespace mamba3::cuda::ndd {
+
+#if defined(__CUDACC__)
+NDD_DEV int ndd_tid() { return static_cast<int>(threadIdx.x); }
+NDD_DEV int64_t ndd_bid() { return static_cast<int64_t>(blockIdx.x); }
+NDD_DEV void ndd_sync() { __syncthreads(); }
+#else
+int ndd_tid();
+int64_t ndd_bid();
+void ndd_sync();
+#endif
+
+constexpr int kThreads = 256;
+constexpr int kMaxPer = 16;  // accumulators per thread (doubles)
+
+// A tensor: byte pointer, dtype code (0 f16, 1 bf16, 2 f32), element strides.
+struct View {
+  const unsigned char* p = nullptr;
+  int dt = 2;
+  int64_t s[5] = {0, 0, 0, 0, 0};
+};
+
+struct Args {
+  int64_t B = 0, S = 0, H = 0, G = 0, N = 0, P = 0, R = 0, C = 0, nch = 0, A = 0;
+  double eps = 1e-5;
+  int tile = 16;  // rows per readout tile (8 where 16 would not fit in shared memory)
+  bool fast = false;  // the whole-chunk kernels (fast_ok)
+  // q, k [B,S,R,G,N]; q_bias, k_bias [H,R,N]; mimo_v / mimo_o / mimo_z [H,R,P]; v, dout, z
+  // [B,S,H,P]; angles [B,S,H,A]; da_cs, da_cs_rev, dt, trap [B,H,S]; segsum [B,H,nch,C,C];
+  // d [H]; norm_weight [H,P]
+  View q, k, q_bias, k_bias, mimo_v, mimo_o, mimo_z, v, dout, z, angles, da_cs, da_cs_rev, dt,
+      trap, segsum, d, norm_weight;
+  double* states = nullptr;  // [B H][nch][N][P]: U_c, then the state entering chunk c
+  double* part = nullptr;    // [B H][nch]: each chunk's sum of its rows' terms
+  unsigned char* dd = nullptr;  // dD [H], dtype dd_dt, stride dd_s
+  int dd_dt = 2;
+  int64_t dd_s = 1;
+};
+
+NDD_DEV double ldd(const View& v, int64_t off) { return static_cast<double>(rt_ld(v.p, off, v.dt)); }
+NDD_DEV double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+// n rows of the increment's slab (elements per thread <= kMaxPer) and the slab count.
+NDD_HD int64_t slab_rows(const Args& a) {
+  const int64_t per_pass = kThreads / a.P;  // n rows per pass of the CTA's threads (P <= 256)
+  const int64_t ns = per_pass * kMaxPer;
+  return ns < a.N ? ns : a.N;
+}
+NDD_HD int64_t slabs(const Args& a) { return (a.N + slab_rows(a) - 1) / slab_rows(a); }
+
+// Shared memory (bytes) of the two chunk kernels.
+inline size_t increment_smem(const Args& a) {
+  return sizeof(double) * static_cast<size_t>(3 * a.C + 16 * (2 * a.A + slab_rows(a) + a.P));
+}
+inline size_t readout_smem(const Args& a, int tile) {
+  const int64_t ldn = a.N + 1;
+  return sizeof(double) *
+         static_cast<size_t>(4 * a.C + tile * (4 * a.A + 2 * ldn + 4 * a.P) + tile * (tile + 1));
+}
+
+// The per-step scalars of chunk c (steps i < L, threads 0 .. C - 1): gamma_i, tscale_i (the
+// trapezoid's two halves) and da_cs_i.
+struct ChunkPos {
+  int64_t b, h, g, c, s0;
+  int L;
+  bool partial;
+};
+
+NDD_DEV ChunkPos chunk_pos(const Args& a, int64_t bh, int64_t c) {
+  ChunkPos q;
+  q.b = bh / a.H, q.h = bh % a.H, q.g = q.h / (a.H / a.G), q.c = c, q.s0 = c * a.C;
+  q.L = static_cast<int>(a.S - q.s0 < a.C ? a.S - q.s0 : a.C);
+  q.partial = q.L < a.C;
+  return q;
+}
+
+NDD_DEV void step_scalars(const Args& a, const ChunkPos& q, double* gam, double* tsc,
+                          double* dacs) {
+  const int i = ndd_tid();
+  if (i >= q.L) return;
+  const int64_t t = q.s0 + i;
+  auto o3 = [&](const View& v, int64_t tt) { return q.b * v.s[0] + q.h * v.s[1] + tt * v.s[2]; };
+  const double dtv = ldd(a.dt, o3(a.dt, t)), lam = sigmoid_d(ldd(a.trap, o3(a.trap, t)));
+  gam[i] = dtv * lam;
+  // The next step's (1 - lambda) dt half belongs to this step, within the chunk and one past
+  // it (none past the sequence's last step).
+  const bool next = i + 1 < q.L + 1 && t + 1 < a.S;
+  const double nxt = next ? ldd(a.dt, o3(a.dt, t + 1)) * (1.0 - sigmoid_d(ldd(a.trap, o3(a.trap, t + 1))))
+                          : 0.0;
+  tsc[i] = gam[i] + nxt;
+  dacs[i] = ldd(a.da_cs, o3(a.da_cs, t));
+}
+
+// (cos, sin) of the rotated pairs of rows row0 .. row0 + nrows - 1 (rows past T: skipped).
+NDD_DEV void angle_table(const Args& a, const ChunkPos& q, int64_t row0, int nrows, int T,
+                         double* cs, double* sn) {
+  for (int e = ndd_tid(); e < nrows * a.A; e += kThreads) {
+    const int rr = static_cast<int>(e / a.A);
+    const int64_t ai = e % a.A, row = row0 + rr;
+    if (row >= T) continue;
+    const int64_t t = q.s0 + row / a.R;
+    const double th = ldd(a.angles, q.b * a.angles.s[0] + t * a.angles.s[1] +
+                                        q.h * a.angles.s[2] + ai * a.angles.s[3]);
+    cs[e] = cos(th);
+    sn[e] = sin(th);
+  }
+}
+
+// Element n of row `row` (step row / R, rank row % R) of the biased, rotated q (or k): pairs
+// (a, N/2 + a), a < A, turned by the row's angle (cs / sn: the row's table entries).
+NDD_DEV double rotated(const Args& a, const View& x, const View& bias, const ChunkPos& q,
+                       int64_t row, int64_t n, const double* cs, const double* sn) {
+  const int64_t t = q.s0 + row / a.R, r = row % a.R, half = a.N / 2;
+  auto el = [&](int64_t m) {
+    return ldd(x, q.b * x.s[0] + t * x.s[1] + r * x.s[2] + q.g * x.s[3] + m * x.s[4]) +
+           ldd(bias, q.h * bias.s[0] + r * bias.s[1] + m * bias.s[2]);
+  };
+  if (n < a.A) return el(n) * cs[n] - el(n + half) * sn[n];
+  if (n >= half && n - half < a.A) return el(n - half) * sn[n - half] + el(n) * cs[n - half];
+  return el(n);
+}
+
+// x = v * Psi of row `row`, column p.
+NDD_DEV double x_of(const Args& a, const ChunkPos& q, int64_t row, int64_t p) {
+  const int64_t t = q.s0 + row / a.R, r = row % a.R;
+  return ldd(a.v, q.b * a.v.s[0] + t * a.v.s[1] + q.h * a.v.s[2] + p * a.v.s[3]) *
+         ldd(a.mimo_v, q.h * a.mimo_v.s[0] + r * a.mimo_v.s[1] + p * a.mimo_v.s[2]);
+}
+
+// ------------------------------------------------------------------ increment
+
+// Grid: B H (nch - 1) slabs. Thread (ng = tid / P, p = tid % P) owns U[n][p] for the slab's n
+// = n0 + ng + k (kThreads / P), k < kMaxPer; the chunk's rows in tiles of 16 through shared
+// memory, each element's sum over the rows in row order.
+NDD_DEV void increment_body(const Args& a, unsigned char* smem) {
+  const int64_t nsl = slabs(a), ns = slab_rows(a);
+  const int64_t bid = ndd_bid(), slab = bid % nsl, bc = bid / nsl;
+  const int64_t c = bc % (a.nch - 1), bh = bc / (a.nch - 1);
+  const ChunkPos q = chunk_pos(a, bh, c);  // a whole chunk (only the last can be partial)
+  double* sm = reinterpret_cast<double*>(smem);
+  double* w = sm;                   // [C] tscale_j exp(da_cs_rev_j)
+  double* gam = w + a.C;            // [C] (step_scalars' other outputs, unused here)
+  double* dacs = gam + a.C;         // [C]
+  double* cs = dacs + a.C;          // [16][A]
+  double* sn = cs + 16 * a.A;       // [16][A]
+  double* sk = sn + 16 * a.A;       // [16][ns] kh w
+  double* sx = sk + 16 * ns;        // [16][P]
+  const int tid = ndd_tid();
+  const int64_t n0 = slab * ns, nn = a.N - n0 < ns ? a.N - n0 : ns;
+  const int64_t per = kThreads / a.P, ng = tid / a.P, p = tid % a.P;
+  const bool owner = ng < per;
+  step_scalars(a, q, gam, w, dacs);
+  if (tid < q.L) {  // (the thread's own step: no barrier needed before the barrier below)
+    const int64_t t = q.s0 + tid;
+    w[tid] *= exp(ldd(a.da_cs_rev, q.b * a.da_cs_rev.s[0] + q.h * a.da_cs_rev.s[1] +
+                                       t * a.da_cs_rev.s[2]));
+  }
+  double acc[kMaxPer];
+  for (int k = 0; k < kMaxPer; ++k) acc[k] = 0.0;
+  const int T = static_cast<int>(q.L * a.R);
+  for (int64_t row0 = 0; row0 < T; row0 += 16) {
+    ndd_sync();
+    angle_table(a, q, row0, 16, T, cs, sn);
+    ndd_sync();
+    for (int64_t e = tid; e < 16 * nn; e += kThreads) {
+      const int64_t rr = e / nn, row = row0 + rr;
+      sk[e] = row < T ? rotated(a, a.k, a.k_bias, q, row, n0 + e % nn, cs + rr * a.A,
+                                sn + rr * a.A) * w[row / a.R]
+                      : 0.0;
+    }
+    for (int64_t e = tid; e < 16 * a.P; e += kThreads) {
+      const int64_t rr = e / a.P, row = row0 + rr;
+      sx[e] = row < T ? x_of(a, q, row, e % a.P) : 0.0;
+    }
+    ndd_sync();
+    if (owner) {
+      for (int rr = 0; rr < 16; ++rr) {
+        const double xv = sx[rr * a.P + p];
+        for (int k = 0; k < kMaxPer; ++k) {
+          const int64_t nl = ng + k * per;
+          if (nl < nn) acc[k] += sk[rr * nn + nl] * xv;
+        }
+      }
+    }
+  }
+  if (!owner) return;
+  double* U = a.states + ((bh * a.nch + c) * a.N + n0) * a.P;
+  for (int k = 0; k < kMaxPer; ++k) {
+    const int64_t nl = ng + k * per;
+    if (nl < nn) U[nl * a.P + p] = acc[k];
+  }
+}
+
+// ------------------------------------------------------------------ scan
+
+// Grid: B H ceil(N P / kThreads); one element of [N][P] per thread, serial over the chunks.
+NDD_DEV void scan_body(const Args& a) {
+  const int64_t np = a.N * a.P, per_bh = (np + kThreads - 1) / kThreads;
+  const int64_t bh = ndd_bid() / per_bh, e = (ndd_bid() % per_bh) * kThreads + ndd_tid();
+  if (e >= np) return;
+  const int64_t b = bh / a.H, h = bh % a.H;
+  double* base = a.states + bh * a.nch * np + e;
+  double s = 0.0;
+  // U_{c+1} is loaded before S_c is stored (they are different elements: the load need not
+  // wait for the store).
+  double u = a.nch > 1 ? base[0] : 0.0;
+  for (int64_t c = 0; c < a.nch; ++c) {
+    const double un = c + 2 < a.nch ? base[(c + 1) * np] : 0.0;
+    base[c * np] = s;
+    if (c + 1 < a.nch) {
+      const int64_t tl = c * a.C + a.C - 1;  // the chunk's last step (a whole chunk)
+      const double decay =
+          exp(ldd(a.da_cs, b * a.da_cs.s[0] + h * a.da_cs.s[1] + tl * a.da_cs.s[2]));
+      s = decay * s + u;
+    }
+    u = un;
+  }
+}
+
+// ------------------------------------------------------------------ readout
+
+// Grid: B H nch. Rows in tiles of a.tile; thread (rg = tid / P, p = tid % P) owns y[rr][p] of
+// the tile's rows rr = rg + k (kThreads / P).
+NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
+  const int64_t bid = ndd_bid(), c = bid % a.nch, bh = bid / a.nch;
+  const ChunkPos q = chunk_pos(a, bh, c);
+  const int TR = a.tile;
+  const int64_t ldn = a.N + 1, P = a.P;  // (rows of q / k padded: the tile dots' bank spread)
+  double* sm = reinterpret_cast<double*>(smem);
+  double* gam = sm;             // [C]
+  double* tsc = gam + a.C;      // [C]
+  double* dacs = tsc + a.C;     // [C]
+  double* red = dacs + a.C;     // [C]: thread 0's chunk sum (red[0])
+  double* csi = red + a.C;      // [TR][A] the row tile's angles
+  double* sni = csi + TR * a.A;
+  double* csj = sni + TR * a.A; // [TR][A] the column tile's
+  double* snj = csj + TR * a.A;
+  double* sq = snj + TR * a.A;  // [TR][ldn] qh of the row tile
+  double* sk = sq + TR * ldn;   // [TR][ldn] kh of the column tile
+  double* sx = sk + TR * ldn;   // [TR][P] x of the column tile
+  double* sxi = sx + TR * P;    // [TR][P] x of the row tile
+  double* sy = sxi + TR * P;    // [TR][P] y
+  double* sg = sy + TR * P;     // [TR][P] G = dL/dxhat
+  double* sa = sg + TR * P;     // [TR][TR + 1] the tile pair's coefficients
+  const int tid = ndd_tid();
+  step_scalars(a, q, gam, tsc, dacs);
+  if (tid == 0) red[0] = 0.0;
+  const int T = static_cast<int>(q.L * a.R);
+  const int64_t per = kThreads / P, rg = tid / P, p = tid % P;
+  const bool owner = rg < per;
+  const double* St = a.states + (bh * a.nch + c) * a.N * P;
+  const double Dh = ldd(a.d, q.h * a.d.s[0]);
+  auto seg = [&](int i, int j) {
+    return q.partial ? dacs[i] - dacs[j]
+                     : ldd(a.segsum, q.b * a.segsum.s[0] + q.h * a.segsum.s[1] +
+                                         c * a.segsum.s[2] + i * a.segsum.s[3] +
+                                         j * a.segsum.s[4]);
+  };
+  for (int64_t ri0 = 0; ri0 < T; ri0 += TR) {
+    ndd_sync();  // (the step scalars; the previous tile's readers of sq, sx, sy, sg)
+    angle_table(a, q, ri0, TR, T, csi, sni);
+    ndd_sync();
+    for (int64_t e = tid; e < TR * a.N; e += kThreads) {
+      const int64_t rr = e / a.N, n = e % a.N, row = ri0 + rr;
+      sq[rr * ldn + n] =
+          row < T ? rotated(a, a.q, a.q_bias, q, row, n, csi + rr * a.A, sni + rr * a.A) : 0.0;
+    }
+    for (int64_t e = tid; e < TR * P; e += kThreads) {
+      const int64_t rr = e / P, row = ri0 + rr;
+      sxi[e] = row < T ? x_of(a, q, row, e % P) : 0.0;
+    }
+    ndd_sync();
+    double y[kMaxPer];
+    for (int k = 0; k < kMaxPer; ++k) y[k] = 0.0;
+    // inter-chunk: exp(da_cs_i) qh S_c (S_0 = 0)
+    if (owner && c > 0) {
+      for (int64_t n = 0; n < a.N; ++n) {
+        const double s = St[n * P + p];
+        for (int k = 0; k < kMaxPer; ++k) {
+          const int64_t rr = rg + k * per;
+          if (rr < TR) y[k] += sq[rr * ldn + n] * s;
+        }
+      }
+      for (int k = 0; k < kMaxPer; ++k) {
+        const int64_t rr = rg + k * per, row = ri0 + rr;
+        if (rr < TR && row < T) y[k] *= exp(dacs[row / a.R]);
+      }
+    }
+    // intra-chunk, the column tiles up to the last rank of the row tile's last step (past the
+    // row tile itself where a step's ranks straddle two tiles: R not a power of two)
+    const int64_t last_i = (ri0 + TR - 1 < T ? ri0 + TR - 1 : T - 1) / a.R;
+    const int64_t rj_end = (last_i + 1) * a.R;
+    for (int64_t rj0 = 0; rj0 < rj_end; rj0 += TR) {
+      ndd_sync();
+      angle_table(a, q, rj0, TR, T, csj, snj);
+      ndd_sync();
+      for (int64_t e = tid; e < TR * a.N; e += kThreads) {
+        const int64_t rr = e / a.N, n = e % a.N, row = rj0 + rr;
+        sk[rr * ldn + n] =
+            row < T ? rotated(a, a.k, a.k_bias, q, row, n, csj + rr * a.A, snj + rr * a.A) : 0.0;
+      }
+      for (int64_t e = tid; e < TR * P; e += kThreads) {
+        const int64_t rr = e / P, row = rj0 + rr;
+        sx[e] = row < T ? x_of(a, q, row, e % P) : 0.0;
+      }
+      ndd_sync();
+      // coefficient of column row rj for row ri: tscale_j exp(segsum_ij) qh . kh (j < i),
+      // gamma_i qh . kh (j = i: all rank pairs of the step), 0 after
+      for (int e = tid; e < TR * TR; e += kThreads) {
+        const int ri = e / TR, rj = e % TR;
+        const int64_t rowi = ri0 + ri, rowj = rj0 + rj;
+        double v = 0.0;
+        if (rowi < T && rowj < T) {
+          const int i = static_cast<int>(rowi / a.R), j = static_cast<int>(rowj / a.R);
+          if (j <= i) {
+            double dot = 0.0;
+            for (int64_t n = 0; n < a.N; ++n) dot += sq[ri * ldn + n] * sk[rj * ldn + n];
+            v = j < i ? tsc[j] * exp(seg(i, j)) * dot : gam[i] * dot;
+          }
+        }
+        sa[ri * (TR + 1) + rj] = v;
+      }
+      ndd_sync();
+      if (owner) {
+        for (int rj = 0; rj < TR; ++rj) {
+          const double xv = sx[rj * P + p];
+          for (int k = 0; k < kMaxPer; ++k) {
+            const int64_t rr = rg + k * per;
+            if (rr < TR) y[k] += sa[rr * (TR + 1) + rj] * xv;
+          }
+        }
+      }
+    }
+    // D x, then y and G to shared memory for the row terms
+    if (owner) {
+      for (int k = 0; k < kMaxPer; ++k) {
+        const int64_t rr = rg + k * per, row = ri0 + rr;
+        if (rr >= TR) continue;
+        double gv = 0.0;
+        if (row < T) {
+          y[k] += Dh * sxi[rr * P + p];
+          const int64_t t = q.s0 + row / a.R, r = row % a.R;
+          const int64_t o = q.b * a.dout.s[0] + t * a.dout.s[1] + q.h * a.dout.s[2] + p * a.dout.s[3];
+          const int64_t oz = q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] + p * a.z.s[3];
+          const double u = ldd(a.z, oz) * ldd(a.mimo_z, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
+                                                           p * a.mimo_z.s[2]);
+          gv = ldd(a.dout, o) *
+               ldd(a.mimo_o, q.h * a.mimo_o.s[0] + r * a.mimo_o.s[1] + p * a.mimo_o.s[2]) * u *
+               sigmoid_d(u) * ldd(a.norm_weight, q.h * a.norm_weight.s[0] + p * a.norm_weight.s[1]);
+        }
+        sy[rr * P + p] = y[k];
+        sg[rr * P + p] = gv;
+      }
+    }
+    ndd_sync();
+    // The row terms, one thread per row, then thread 0 adds them in row order.
+    if (tid < TR && ri0 + tid < T) {
+      const double* yr = sy + tid * P;
+      const double* gr = sg + tid * P;
+      const double* xr = sxi + tid * P;
+      double yy = 0, gx = 0, yx = 0, gy = 0;
+      for (int64_t pp = 0; pp < P; ++pp) {
+        yy += yr[pp] * yr[pp];
+        gx += gr[pp] * xr[pp];
+        yx += yr[pp] * xr[pp];
+        gy += gr[pp] * yr[pp];
+      }
+      const double rs = 1.0 / sqrt(yy / static_cast<double>(P) + a.eps);
+      sa[tid] = rs * (gx - yx * rs * rs * gy / static_cast<double>(P));  // (sa is free here)
+    }
+    ndd_sync();
+    if (tid == 0) {
+      double s = red[0];
+      for (int rr = 0; rr < TR && ri0 + rr < T; ++rr) s += sa[rr];
+      red[0] = s;
+    }
+  }
+  ndd_sync();
+  if (tid == 0) a.part[bh * a.nch + c] = red[0];
+}
+
+// ------------------------------------------------------------------ whole-chunk kernels
+//
+// Where a chunk's rows fit in shared memory (N, P multiples of 4; the bench grid's shapes), the
+// increment and the readout build the chunk's qh, kh and x once and run their products as
+// register-blocked 4 x 4 tiles (16 FMA per 8 shared loads), the states staged through shared
+// memory in blocks of n rows: the generic bodies above re-read q / k per tile pair and S_c from
+// L2 per row group, and took 24 ms for the readout at N128 P64 R4 C16 B4 S2048 H16 (H100).
+// The same formulas; sums in another fixed order (float64 both).
+
+constexpr int kYBlocks = 2;  // 4 x 4 output blocks per thread (readout's Y, increment's U)
+constexpr int kStageDoubles = 2048;  // the readout's S_c stage (n rows x P)
+
+NDD_HD int64_t fast_ldq(const Args& a) { return a.N + 2; }  // qh / kh rows (16-byte aligned)
+NDD_HD int64_t fast_T(const Args& a) { return a.C * a.R; }
+NDD_HD int64_t stage_rows(const Args& a) {
+  const int64_t r = kStageDoubles / a.P;
+  return r < a.N ? r : a.N;
+}
+// U's 4 x 4 blocks per increment CTA, and the CTAs (slabs) per chunk.
+NDD_HD int64_t fast_slabs(const Args& a) {
+  const int64_t blocks = (a.N / 4) * (a.P / 4), per = int64_t{kThreads} * kYBlocks;
+  return (blocks + per - 1) / per;
+}
+inline size_t fast_increment_smem(const Args& a) {
+  const int64_t T = fast_T(a);
+  return sizeof(double) * static_cast<size_t>(a.C + T * fast_ldq(a) + T * a.P);
+}
+inline size_t fast_readout_smem(const Args& a) {
+  const int64_t T = fast_T(a);
+  return sizeof(double) * static_cast<size_t>(3 * a.C + 2 * T * fast_ldq(a) + T * a.P +
+                                              T * (T + 2) + stage_rows(a) * a.P);
+}
+// Whether the whole-chunk kernels take this shape (`limit`: shared memory per block).
+inline bool fast_ok(const Args& a, size_t limit) {
+  const int64_t T = fast_T(a);
+  return a.N % 4 == 0 && a.P % 4 == 0 && (T / 4) * (a.P / 4) <= int64_t{kThreads} * kYBlocks &&
+         // the row terms' partials [T][P / 4][4] go over qh, kh and the coefficients
+         2 * T * fast_ldq(a) + T * (T + 2) >= T * a.P && fast_increment_smem(a) <= limit &&
+         fast_readout_smem(a) <= limit;
+}
+
+// The chunk's rows into shared memory: qh (when given) and kh [T][ldq] (kh scaled by w[step]
+// when w is given), x [T][P]; rows past the sequence zero. Each (step, pair) turns by one
+// sincos for all ranks of q and k.
+NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* kh, int64_t ldq,
+                         double* x, const double* w) {
+  const int tid = ndd_tid();
+  const int64_t R = a.R, N = a.N, half = N / 2, T = a.C * R, TL = q.L * R;
+  auto el = [&](const View& v, const View& bias, int64_t t, int64_t r, int64_t m) {
+    return ldd(v, q.b * v.s[0] + t * v.s[1] + r * v.s[2] + q.g * v.s[3] + m * v.s[4]) +
+           ldd(bias, q.h * bias.s[0] + r * bias.s[1] + m * bias.s[2]);
+  };
+  for (int64_t e = tid; e < q.L * a.A; e += kThreads) {
+    const int64_t i = e / a.A, ai = e % a.A, t = q.s0 + i;
+    const double th = ldd(a.angles, q.b * a.angles.s[0] + t * a.angles.s[1] +
+                                        q.h * a.angles.s[2] + ai * a.angles.s[3]);
+    const double cs = cos(th), sn = sin(th), wi = w ? w[i] : 1.0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = i * R + r;
+      if (qh) {
+        const double u = el(a.q, a.q_bias, t, r, ai), v = el(a.q, a.q_bias, t, r, ai + half);
+        qh[row * ldq + ai] = u * cs - v * sn;
+        qh[row * ldq + ai + half] = u * sn + v * cs;
+      }
+      const double u = el(a.k, a.k_bias, t, r, ai), v = el(a.k, a.k_bias, t, r, ai + half);
+      kh[row * ldq + ai] = (u * cs - v * sn) * wi;
+      kh[row * ldq + ai + half] = (u * sn + v * cs) * wi;
+    }
+  }
+  const int64_t nu = N - 2 * a.A;  // the unrotated columns A .. half - 1, half + A .. N - 1
+  for (int64_t e = tid; e < T * nu; e += kThreads) {
+    const int64_t row = e / nu, m = e % nu;
+    const int64_t n = m < half - a.A ? a.A + m : half + a.A + (m - (half - a.A));
+    const int64_t i = row / R, r = row % R, t = q.s0 + i;
+    const bool live = row < TL;
+    if (qh) qh[row * ldq + n] = live ? el(a.q, a.q_bias, t, r, n) : 0.0;
+    kh[row * ldq + n] = live ? el(a.k, a.k_bias, t, r, n) * (w ? w[i] : 1.0) : 0.0;
+  }
+  for (int64_t e = tid; e < (T - TL) * 2 * a.A; e += kThreads) {  // rotated columns, dead rows
+    const int64_t row = TL + e / (2 * a.A), m = e % (2 * a.A);
+    const int64_t n = m < a.A ? m : half + (m - a.A);
+    if (qh) qh[row * ldq + n] = 0.0;
+    kh[row * ldq + n] = 0.0;
+  }
+  for (int64_t e = tid; e < T * a.P; e += kThreads) {
+    const int64_t row = e / a.P;
+    x[e] = row < TL ? x_of(a, q, row, e % a.P) : 0.0;
+  }
+}
+
+// Grid: B H (nch - 1) fast_slabs. Thread block u of this slab's U blocks (n0, p0) (4 x 4).
+NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
+  const int64_t nsl = fast_slabs(a), bid = ndd_bid(), slab = bid % nsl, bc = bid / nsl;
+  const int64_t c = bc % (a.nch - 1), bh = bc / (a.nch - 1);
+  const ChunkPos q = chunk_pos(a, bh, c);  // a whole chunk
+  const int64_t T = fast_T(a), ldq = fast_ldq(a), P = a.P, nbp = P / 4, nblk = (a.N / 4) * nbp;
+  double* sm = reinterpret_cast<double*>(smem);
+  double* w = sm;             // [C] tscale_j exp(da_cs_rev_j)
+  double* kh = w + a.C;       // [T][ldq] kh w
+  double* x = kh + T * ldq;   // [T][P]
+  const int tid = ndd_tid();
+  {
+    double* gam = x;  // (scratch: x is built after the barrier below)
+    double* dacs = x + a.C;
+    step_scalars(a, q, gam, w, dacs);
+    if (tid < q.L) {
+      const int64_t t = q.s0 + tid;
+      w[tid] *= exp(ldd(a.da_cs_rev, q.b * a.da_cs_rev.s[0] + q.h * a.da_cs_rev.s[1] +
+                                         t * a.da_cs_rev.s[2]));
+    }
+  }
+  ndd_sync();
+  build_chunk(a, q, nullptr, kh, ldq, x, w);
+  ndd_sync();
+  double acc[kYBlocks][4][4];
+  int64_t blk[kYBlocks];
+  NDD_UNROLL
+  for (int u = 0; u < kYBlocks; ++u) {
+    blk[u] = (slab * kYBlocks + u) * int64_t{kThreads} + tid;
+    NDD_UNROLL
+    for (int i = 0; i < 4; ++i)
+      NDD_UNROLL
+      for (int j = 0; j < 4; ++j) acc[u][i][j] = 0.0;
+  }
+  NDD_UNROLL
+  for (int u = 0; u < kYBlocks; ++u) {
+    if (blk[u] >= nblk) continue;
+    const int64_t n0 = (blk[u] / nbp) * 4, p0 = (blk[u] % nbp) * 4;
+    for (int64_t j = 0; j < T; ++j) {
+      double kv[4], xv[4];
+      NDD_UNROLL
+      for (int i = 0; i < 4; ++i) kv[i] = kh[j * ldq + n0 + i], xv[i] = x[j * P + p0 + i];
+      NDD_UNROLL
+      for (int i = 0; i < 4; ++i)
+        NDD_UNROLL
+        for (int jj = 0; jj < 4; ++jj) acc[u][i][jj] += kv[i] * xv[jj];
+    }
+  }
+  double* U = a.states + (bh * a.nch + c) * a.N * P;
+  NDD_UNROLL
+  for (int u = 0; u < kYBlocks; ++u) {
+    if (blk[u] >= nblk) continue;
+    const int64_t n0 = (blk[u] / nbp) * 4, p0 = (blk[u] % nbp) * 4;
+    NDD_UNROLL
+    for (int i = 0; i < 4; ++i)
+      NDD_UNROLL
+      for (int jj = 0; jj < 4; ++jj) U[(n0 + i) * P + p0 + jj] = acc[u][i][jj];
+  }
+}
+
+// Grid: B H nch. The chunk's coefficient matrix A (T x T, 4 x 4 blocks on or below the diagonal
+// step blocks), then Y = exp(da_cs) qh S_c + A x + D x in 4 x 4 blocks (S_c staged by n rows),
+// then the row terms from per-block partial sums.
+NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
+  const int64_t bid = ndd_bid(), c = bid % a.nch, bh = bid / a.nch;
+  const ChunkPos q = chunk_pos(a, bh, c);
+  const int64_t T = fast_T(a), ldq = fast_ldq(a), P = a.P, N = a.N, R = a.R, lda = T + 2;
+  const int64_t TL = q.L * R, nbt = T / 4, nbp = P / 4, ns = stage_rows(a);
+  double* sm = reinterpret_cast<double*>(smem);
+  double* gam = sm;              // [C]
+  double* tsc = gam + a.C;       // [C]
+  double* dacs = tsc + a.C;      // [C]
+  double* qh = dacs + a.C;       // [T][ldq]
+  double* kh = qh + T * ldq;     // [T][ldq]
+  double* A = kh + T * ldq;      // [T][lda]
+  double* x = A + T * lda;       // [T][P]
+  double* st = x + T * P;        // [ns][P] a stage of S_c
+  double* part = qh;             // [T][nbp][4] (after Y: over qh, kh and A)
+  const int tid = ndd_tid();
+  step_scalars(a, q, gam, tsc, dacs);
+  build_chunk(a, q, qh, kh, ldq, x, nullptr);
+  ndd_sync();
+  // A[ti][tj] = qh_i . kh_j times tscale_j exp(segsum_ij) (step j < step i), gamma_i (same
+  // step), 0 (later step)
+  for (int64_t b = tid; b < nbt * nbt; b += kThreads) {
+    const int64_t i0 = (b / nbt) * 4, j0 = (b % nbt) * 4;
+    double s[4][4];
+    NDD_UNROLL
+    for (int i = 0; i < 4; ++i)
+      NDD_UNROLL
+      for (int j = 0; j < 4; ++j) s[i][j] = 0.0;
+    if (j0 / R <= (i0 + 3) / R) {  // (a block wholly after the rows' steps stays zero)
+      for (int64_t n = 0; n < N; ++n) {
+        double qv[4], kv[4];
+        NDD_UNROLL
+        for (int i = 0; i < 4; ++i) qv[i] = qh[(i0 + i) * ldq + n], kv[i] = kh[(j0 + i) * ldq + n];
+        NDD_UNROLL
+        for (int i = 0; i < 4; ++i)
+          NDD_UNROLL
+          for (int j = 0; j < 4; ++j) s[i][j] += qv[i] * kv[j];
+      }
+    }
+    NDD_UNROLL
+    for (int i = 0; i < 4; ++i)
+      NDD_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        const int64_t ri = i0 + i, rj = j0 + j;
+        double v = 0.0;
+        if (ri < TL && rj < TL) {
+          const int si = static_cast<int>(ri / R), sj = static_cast<int>(rj / R);
+          if (sj < si) {
+            const double sg = q.partial ? dacs[si] - dacs[sj]
+                                        : ldd(a.segsum, q.b * a.segsum.s[0] + q.h * a.segsum.s[1] +
+                                                            c * a.segsum.s[2] + si * a.segsum.s[3] +
+                                                            sj * a.segsum.s[4]);
+            v = tsc[sj] * exp(sg) * s[i][j];
+          } else if (sj == si) {
+            v = gam[si] * s[i][j];
+          }
+        }
+        A[ri * lda + rj] = v;
+      }
+  }
+  // Y blocks: thread tid owns blocks tid + u kThreads (t0, p0)
+  double y[kYBlocks][4][4];
+  int64_t blk[kYBlocks];
+  const int64_t nblk = nbt * nbp;
+  NDD_UNROLL
+  for (int u = 0; u < kYBlocks; ++u) {
+    blk[u] = u * int64_t{kThreads} + tid;
+    NDD_UNROLL
+    for (int i = 0; i < 4; ++i)
+      NDD_UNROLL
+      for (int j = 0; j < 4; ++j) y[u][i][j] = 0.0;
+  }
+  if (c > 0) {  // S_0 = 0
+    const double* St = a.states + (bh * a.nch + c) * N * P;
+    for (int64_t n0 = 0; n0 < N; n0 += ns) {
+      const int64_t nn = N - n0 < ns ? N - n0 : ns;
+      ndd_sync();  // (the previous stage's readers)
+      for (int64_t e = tid; e < nn * P; e += kThreads) st[e] = St[n0 * P + e];
+      ndd_sync();
+      NDD_UNROLL
+      for (int u = 0; u < kYBlocks; ++u) {
+        if (blk[u] >= nblk) continue;
+        const int64_t t0 = (blk[u] / nbp) * 4, p0 = (blk[u] % nbp) * 4;
+        for (int64_t n = 0; n < nn; ++n) {
+          double qv[4], sv[4];
+          NDD_UNROLL
+          for (int i = 0; i < 4; ++i) qv[i] = qh[(t0 + i) * ldq + n0 + n], sv[i] = st[n * P + p0 + i];
+          NDD_UNROLL
+          for (int i = 0; i < 4; ++i)
+            NDD_UNROLL
+            for (int j = 0; j < 4; ++j) y[u][i][j] += qv[i] * sv[j];
+        }
+      }
+    }
+    NDD_UNROLL
+    for (int u = 0; u < kYBlocks; ++u) {
+      if (blk[u] >= nblk) continue;
+      const int64_t t0 = (blk[u] / nbp) * 4;
+      NDD_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const double e = t0 + i < TL ? exp(dacs[(t0 + i) / R]) : 0.0;
+        NDD_UNROLL
+        for (int j = 0; j < 4; ++j) y[u][i][j] *= e;
+      }
+    }
+  }
+  ndd_sync();  // A complete
+  const double Dh = ldd(a.d, q.h * a.d.s[0]);
+  NDD_UNROLL
+  for (int u = 0; u < kYBlocks; ++u) {
+    if (blk[u] >= nblk) continue;
+    const int64_t t0 = (blk[u] / nbp) * 4, p0 = (blk[u] % nbp) * 4;
+    const int64_t jend = ((t0 + 3) / R + 1) * R;  // through the last rank of row t0 + 3's step
+    for (int64_t j = 0; j < (jend < T ? jend : T); ++j) {
+      double av[4], xv[4];
+      NDD_UNROLL
+      for (int i = 0; i < 4; ++i) av[i] = A[(t0 + i) * lda + j], xv[i] = x[j * P + p0 + i];
+      NDD_UNROLL
+      for (int i = 0; i < 4; ++i)
+        NDD_UNROLL
+        for (int jj = 0; jj < 4; ++jj) y[u][i][jj] += av[i] * xv[jj];
+    }
+    NDD_UNROLL
+    for (int i = 0; i < 4; ++i)
+      NDD_UNROLL
+      for (int jj = 0; jj < 4; ++jj) y[u][i][jj] += Dh * x[(t0 + i) * P + p0 + jj];
+  }
+  ndd_sync();  // qh, kh and A are dead: the partials go over them
+  NDD_UNROLL
+  for (int u = 0; u < kYBlocks; ++u) {
+    if (blk[u] >= nblk) continue;
+    const int64_t t0 = (blk[u] / nbp) * 4, bp = blk[u] % nbp, p0 = bp * 4;
+    NDD_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int64_t row = t0 + i;
+      double yy = 0, yx = 0, gy = 0, gx = 0;
+      if (row < TL) {
+        const int64_t t = q.s0 + row / R, r = row % R;
+        NDD_UNROLL
+        for (int jj = 0; jj < 4; ++jj) {
+          const int64_t p = p0 + jj;
+          const double zu = ldd(a.z, q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] + p * a.z.s[3]) *
+                            ldd(a.mimo_z, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] + p * a.mimo_z.s[2]);
+          const double g =
+              ldd(a.dout, q.b * a.dout.s[0] + t * a.dout.s[1] + q.h * a.dout.s[2] + p * a.dout.s[3]) *
+              ldd(a.mimo_o, q.h * a.mimo_o.s[0] + r * a.mimo_o.s[1] + p * a.mimo_o.s[2]) * zu *
+              sigmoid_d(zu) * ldd(a.norm_weight, q.h * a.norm_weight.s[0] + p * a.norm_weight.s[1]);
+          const double yv = y[u][i][jj], xv = x[row * P + p];
+          yy += yv * yv, yx += yv * xv, gy += g * yv, gx += g * xv;
+        }
+      }
+      double* pp = part + (row * nbp + bp) * 4;
+      pp[0] = yy, pp[1] = yx, pp[2] = gy, pp[3] = gx;
+    }
+  }
+  ndd_sync();
+  if (tid < TL) {  // one thread per row: its partials in column order, then its term
+    double yy = 0, yx = 0, gy = 0, gx = 0;
+    for (int64_t bp = 0; bp < nbp; ++bp) {
+      const double* pp = part + (tid * nbp + bp) * 4;
+      yy += pp[0], yx += pp[1], gy += pp[2], gx += pp[3];
+    }
+    const double rs = 1.0 / sqrt(yy / static_cast<double>(P) + a.eps);
+    x[tid] = rs * (gx - yx * rs * rs * gy / static_cast<double>(P));  // (x is dead: the terms)
+  }
+  ndd_sync();
+  if (tid == 0) {
+    double s = 0.0;
+    for (int64_t row = 0; row < TL; ++row) s += x[row];
+    a.part[bh * a.nch + c] = s;
+  }
+}
+
+// ------------------------------------------------------------------ final
+
+// Grid: ceil(H / kThreads); dD[h] = sum over b (outer), c (inner) of the partials.
+NDD_DEV void final_body(const Args& a) {
+  const int64_t h = ndd_bid() * kThreads + ndd_tid();
+  if (h >= a.H) return;
+  double s = 0.0;
+  for (int64_t b = 0; b < a.B; ++b) {
+    double sb = 0.0;
+    for (int64_t c = 0; c < a.nch; ++c) sb += a.part[(b * a.H + h) * a.nch + c];
+    s += sb;
+  }
+  rt_st(a.dd, h * a.dd_s, a.dd_dt, static_cast<float>(s));
+}
+
+}  // namespace mamba3::cuda::ndd

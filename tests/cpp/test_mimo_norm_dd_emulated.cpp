@@ -1,0 +1,221 @@
+// The float64 dD kernels of mamba3_mimo_bwd_combined with the fused norm
+// (src/cuda/mimo_norm_dd_f64.cuh) run on the host, each CTA emulated by one std::thread per CUDA
+// thread (cta_emulator.hpp), against the float64 golden's dD (golden mimo_bwd_combined<double>)
+// on the same rounded inputs. Both are float64, so they must agree to the final float32 store:
+// a wrong index, decay, tail rule or tile edge moves dD far more than that. The GPU runs the
+// same bodies in test_mimo_bwd_combined_cuda.cpp (NormDdOnIllConditionedDraws).
+//
+// Only in CUDA builds: the bodies use the CUDA headers' fp16 / bf16 conversions.
+#ifdef MAMBA3_GOLDEN_CUDA
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/mimo_bwd_params.hpp"
+#include "cta_emulator.hpp"
+#include "cuda/mimo_norm_dd_f64.cuh"
+#include "host_operands.hpp"
+#include "mamba3_golden/host.hpp"
+#include "mamba3_golden/mimo.hpp"
+#include "mamba3_golden/mimo_bwd_bwd.hpp"
+
+namespace mamba3::cuda::ndd {
+int ndd_tid() { return test::emu::t_tid; }
+int64_t ndd_bid() { return test::emu::t_bid; }
+void ndd_sync() { test::emu::g_cta->bar.wait(); }
+}  // namespace mamba3::cuda::ndd
+
+namespace {
+
+using namespace mamba3::golden;
+namespace ndd = mamba3::cuda::ndd;
+using mamba3::test::rand_buf;
+using mamba3::test::view_of;
+
+struct NddCase {
+  int64_t B, S, H, G, N, P, R, C, rdd;
+  IoType act;
+  int tile;  // 16, or 8 (the readout's tile where 16 rows would not fit)
+  int64_t pad;
+  uint64_t seed;
+};
+
+ndd::View nview(const mamba3::TensorView& t) {
+  ndd::View v;
+  v.p = static_cast<const unsigned char*>(t.data);
+  v.dt = static_cast<int>(t.dtype);
+  for (int i = 0; i < t.ndim && i < 5; ++i) v.s[i] = t.strides[i];
+  return v;
+}
+
+// Runs the four kernels on the host (the whole-chunk kernels when `fast`) and returns dD [H];
+// gold: the golden's.
+void run_case(const NddCase& c, bool fast, std::vector<float>& got, std::vector<double>& gold) {
+  const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.C;
+  const int64_t A = N / c.rdd, nch = (S + C - 1) / C;
+  std::mt19937_64 rng(c.seed);
+  const IoType F32 = IoType::F32;
+  Buffer dout = rand_buf(rng, c.act, {B, S, H, P}, -1, 1, c.pad);
+  Buffer q = rand_buf(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
+  Buffer k = rand_buf(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
+  Buffer v = rand_buf(rng, c.act, {B, S, H, P}, -1, 1, c.pad);
+  Buffer qb = rand_buf(rng, F32, {H, R, N}, -0.5, 0.5, 0);
+  Buffer kb = rand_buf(rng, F32, {H, R, N}, -0.5, 0.5, 0);
+  Buffer mv = rand_buf(rng, F32, {H, R, P}, -1, 1, 0);
+  Buffer mo = rand_buf(rng, F32, {H, R, P}, -1, 1, 0);
+  Buffer mz = rand_buf(rng, F32, {H, R, P}, -1.5, 1.5, 0);
+  Buffer z = rand_buf(rng, c.act, {B, S, H, P}, -2, 2, c.pad);
+  Buffer d = rand_buf(rng, F32, {H}, -1, 1, 0);
+  Buffer nw = rand_buf(rng, F32, {H, P}, 0.5, 1.5, 0);
+  Buffer angles = rand_buf(rng, F32, {B, S, H, A}, -3, 3, c.pad);
+  Buffer dt = rand_buf(rng, F32, {B, H, S}, 0.05, 0.6, 0);
+  Buffer trap = rand_buf(rng, F32, {B, H, S}, -2, 2, 0);
+  // The decays from one adt <= 0 (then three independent inputs); NaN where the operator must
+  // not read: segsum on and above the diagonal and in a partial last chunk, da_cs_rev there.
+  MimoInputs<double> dec;
+  dec.B = B, dec.H = H, dec.S = S, dec.chunk_size = C;
+  {
+    const std::vector<double> dtv = dt.to_double();
+    const std::vector<double> a = uniform(rng, B * H * S, 0.1, 1.5, IoType::F64);
+    dec.adt.resize(B * H * S);
+    for (int64_t i = 0; i < B * H * S; ++i) dec.adt[i] = -a[i] * dtv[i];
+    mimo_dacs_segsum(dec);
+  }
+  std::vector<double> seg_v = dec.segsum, rev_v = dec.da_cs_rev;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const bool partial = S % C != 0;
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    for (int64_t ch = 0; ch < nch; ++ch)
+      for (int64_t i = 0; i < C; ++i)
+        for (int64_t j = 0; j < C; ++j)
+          if (j >= i || (partial && ch == nch - 1)) seg_v[((bh * nch + ch) * C + i) * C + j] = nan;
+    if (partial)
+      for (int64_t t = (nch - 1) * C; t < S; ++t) rev_v[bh * S + t] = nan;
+  }
+  Buffer da_cs = Buffer::from_double(F32, {B, H, S}, dec.da_cs);
+  Buffer da_cs_rev = Buffer::from_double(F32, {B, H, S}, rev_v);
+  Buffer segsum = Buffer::from_double(F32, {B, H, nch, C, C}, seg_v);
+
+  MimoInputs<double> gi;
+  gi.B = B, gi.S = S, gi.H = H, gi.G = G, gi.N = N, gi.P = P, gi.R = R;
+  gi.rotary_dim_divisor = c.rdd, gi.chunk_size = C;
+  gi.dout = dout.to_double(), gi.q = q.to_double(), gi.k = k.to_double(), gi.v = v.to_double();
+  gi.q_bias = qb.to_double(), gi.k_bias = kb.to_double(), gi.mimo_v = mv.to_double();
+  gi.mimo_o = mo.to_double(), gi.mimo_z = mz.to_double(), gi.z = z.to_double();
+  gi.D = d.to_double(), gi.norm_weight = nw.to_double(), gi.norm_eps = 1e-5;
+  gi.angles = angles.to_double(), gi.dt = dt.to_double(), gi.trap = trap.to_double();
+  gi.da_cs = da_cs.to_double(), gi.da_cs_rev = da_cs_rev.to_double();
+  gi.segsum = segsum.to_double();
+  gold = mimo_bwd_combined(gi).dd;
+
+  ndd::Args a;
+  a.B = B, a.S = S, a.H = H, a.G = G, a.N = N, a.P = P, a.R = R, a.C = C, a.nch = nch, a.A = A;
+  a.eps = 1e-5;
+  a.tile = c.tile;
+  a.fast = fast;
+  a.q = nview(view_of(q)), a.k = nview(view_of(k)), a.q_bias = nview(view_of(qb));
+  a.k_bias = nview(view_of(kb)), a.mimo_v = nview(view_of(mv)), a.mimo_o = nview(view_of(mo));
+  a.mimo_z = nview(view_of(mz)), a.v = nview(view_of(v)), a.dout = nview(view_of(dout));
+  a.z = nview(view_of(z)), a.angles = nview(view_of(angles)), a.da_cs = nview(view_of(da_cs));
+  a.da_cs_rev = nview(view_of(da_cs_rev)), a.dt = nview(view_of(dt));
+  a.trap = nview(view_of(trap)), a.segsum = nview(view_of(segsum)), a.d = nview(view_of(d));
+  a.norm_weight = nview(view_of(nw));
+  // NaN-filled workspace: a read before a write shows up in dD.
+  std::vector<double> ws(B * H * nch * (N * P + 1), nan);
+  a.states = ws.data();
+  a.part = ws.data() + B * H * nch * N * P;
+  got.assign(H, nan);
+  a.dd = reinterpret_cast<unsigned char*>(got.data());
+  a.dd_dt = 2;
+  a.dd_s = 1;
+  std::vector<unsigned char> smem(
+      fast ? std::max(ndd::fast_increment_smem(a), ndd::fast_readout_smem(a))
+           : std::max(ndd::increment_smem(a), ndd::readout_smem(a, a.tile)));
+  const std::function<void(int64_t)> poison = [&](int64_t) {
+    for (size_t i = 0; i + sizeof(double) <= smem.size(); i += sizeof(double))
+      *reinterpret_cast<double*>(smem.data() + i) = nan;
+  };
+  namespace emu = mamba3::test::emu;
+  if (nch > 1 && fast)
+    emu::launch(B * H * (nch - 1) * ndd::fast_slabs(a), ndd::kThreads,
+                [&] { ndd::increment_fast_body(a, smem.data()); }, poison);
+  if (nch > 1 && !fast)
+    emu::launch(B * H * (nch - 1) * ndd::slabs(a), ndd::kThreads,
+                [&] { ndd::increment_body(a, smem.data()); }, poison);
+  emu::launch(B * H * ((N * P + ndd::kThreads - 1) / ndd::kThreads), ndd::kThreads,
+              [&] { ndd::scan_body(a); });
+  if (fast)
+    emu::launch(B * H * nch, ndd::kThreads, [&] { ndd::readout_fast_body(a, smem.data()); },
+                poison);
+  else
+    emu::launch(B * H * nch, ndd::kThreads, [&] { ndd::readout_body(a, smem.data()); }, poison);
+  emu::launch((H + ndd::kThreads - 1) / ndd::kThreads, ndd::kThreads, [&] { ndd::final_body(a); });
+}
+
+void check(const NddCase& c, bool fast, int n) {
+  std::vector<float> got;
+  std::vector<double> gold;
+  run_case(c, fast, got, gold);
+  for (int64_t h = 0; h < c.H; ++h) {
+    const double err = std::fabs(static_cast<double>(got[h]) - gold[h]);
+    // The float32 store of a float64 sum: half an ulp, and a little for the order of sums.
+    EXPECT_LE(err, 7e-8 * std::fabs(gold[h]) + 1e-12)
+        << (fast ? "whole-chunk" : "generic") << " case " << n << " head " << h << ": " << got[h]
+        << " against " << gold[h];
+  }
+}
+
+const IoType BF = IoType::BF16, F16 = IoType::F16, F32 = IoType::F32;
+
+// The generic kernels: whole and partial chunks, one chunk, GQA, every R (R 3: a step's ranks
+// across two row tiles), P dividing 256 or not (P = 48: idle threads), several increment slabs
+// (N P > 16 kThreads), 16- and 8-row readout tiles with partial tiles, padded rows, fp32 / bf16
+// / fp16.
+TEST(MimoNormDdEmulated, GenericKernelsMatchTheFloat64Golden) {
+  const NddCase cases[] = {
+      {2, 37, 2, 1, 16, 32, 2, 16, 4, BF, 16, 0, 11},   // partial last chunk
+      {1, 40, 4, 2, 32, 16, 4, 8, 2, F32, 16, 2, 12},   // GQA, P 16, padded
+      {1, 5, 1, 1, 16, 48, 1, 16, 4, F16, 16, 0, 13},   // one partial chunk, P 48
+      {1, 24, 2, 1, 16, 64, 3, 8, 4, BF, 8, 0, 14},     // R 3: steps across tiles, 8-row tiles
+      {1, 24, 2, 1, 16, 64, 3, 8, 4, BF, 16, 0, 17},    // R 3, 16-row tiles
+      {1, 33, 1, 1, 64, 256, 1, 16, 2, BF, 16, 0, 15},  // several slabs (P 256: 16 n per slab)
+      {1, 17, 1, 1, 16, 32, 8, 8, 4, F32, 16, 0, 16},   // R 8
+  };
+  int n = 0;
+  for (const NddCase& c : cases) check(c, false, n++);
+  std::printf("[ %d float64 dD cases, generic kernels ]\n", n);
+}
+
+// The whole-chunk kernels (fast_ok shapes): partial chunks, GQA, R 1 .. 8 and R 3 (a step's
+// ranks across 4-row blocks), two U slabs (N P / 16 > 2 kThreads), two Y blocks per thread,
+// T = 64 with C = 64, padded rows.
+TEST(MimoNormDdEmulated, WholeChunkKernelsMatchTheFloat64Golden) {
+  const NddCase cases[] = {
+      {2, 37, 2, 1, 16, 32, 2, 16, 4, BF, 16, 0, 21},   // partial last chunk
+      {1, 40, 4, 2, 32, 16, 4, 8, 2, F32, 16, 2, 22},   // GQA, P 16, padded
+      {1, 5, 1, 1, 16, 48, 1, 16, 4, F16, 16, 0, 23},   // one partial chunk, P 48
+      {1, 24, 2, 1, 16, 32, 3, 8, 4, BF, 16, 0, 24},    // R 3
+      {1, 20, 1, 1, 128, 64, 8, 8, 4, BF, 16, 0, 25},   // R 8, T 64, two U slabs
+      {1, 70, 1, 1, 32, 128, 1, 64, 4, BF, 16, 0, 26},  // C 64, two Y blocks per thread
+  };
+  int n = 0;
+  for (const NddCase& c : cases) {
+    ndd::Args a;  // (the shape fields fast_ok reads)
+    a.N = c.N, a.P = c.P, a.R = c.R, a.C = c.C;
+    ASSERT_TRUE(ndd::fast_ok(a, 227 * 1024)) << "case " << n;
+    check(c, true, n++);
+  }
+  std::printf("[ %d float64 dD cases, whole-chunk kernels ]\n", n);
+}
+
+}  // namespace
+
+#endif  // MAMBA3_GOLDEN_CUDA
