@@ -2,7 +2,7 @@
 builds: run it once per build, alternating (A B A B), and compare the rows.
 
   PYTHONPATH=python MAMBA3_LIBRARY=build/libmamba3.so \
-      python bench/kernel_times.py [--ops bwd_fwd,bwd_bwd,combined] [--shapes 3,0,10]
+      python bench/kernel_times.py [--ops bwd_fwd,bwd_bwd,combined,combined_norm] [--shapes 3,0,10]
                                    [--calls 5] [--tag A] [--json FILE]
 
 Shapes index bench_mimo_bwd.SHAPES (B=4 S=2048 H=16 G=1, bf16, Z, D, reduce-O). Each op is
@@ -24,10 +24,21 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_mimo_bwd as bm  # noqa: E402
 
+def cb_norm_ours(s, C):
+    """The combined backward with the fused pre-gate norm (its dD in float64: ndd_* kernels)."""
+    if "_norm_weight" not in s:
+        H, P = s["v"].shape[2], s["v"].shape[3]
+        g = torch.Generator(device="cpu").manual_seed(77)
+        s["_norm_weight"] = (0.5 + torch.rand(H, P, generator=g)).to(s["v"].device)
+    return bm.mimo.mamba3_mimo_bwd_combined(*(s[k] for k in bm.CB_ARGS), C, bm.RDD,
+                                            norm_weight=s["_norm_weight"])
+
+
 RUNNERS = {
     "bwd_fwd": (None, lambda s, C: bm.ours(s, C)),
     "bwd_bwd": (bm.bb_prepare, lambda s, C: bm.bb_ours(s, C)),
     "combined": (None, lambda s, C: bm.cb_ours(s, C)),
+    "combined_norm": (None, cb_norm_ours),
 }
 
 
