@@ -32,7 +32,8 @@ struct MimoBwdFwdParams {
   // backward's [B, H, 2] float32 scratch for dD with the fused norm, computed by the first pass
   // in float64 and kept as hi + lo (the second pass's float32 sum of dout_pre_rms . x is
   // ill-conditioned; docs/ACCURACY.md). Written by the CPU backend when present with has_norm
-  // and has_d; the CUDA backend ignores it.
+  // and has_d; the CUDA backend ignores it (its combined backward recomputes dD in float64 in
+  // kernels of its own: src/cuda/mimo_norm_dd_f64.cuh).
   TensorView norm_dd;
 };
 
