@@ -469,12 +469,18 @@ inline bool fast_ok(const Args& a, size_t limit) {
 // sincos for all ranks of q and k.
 NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* kh, int64_t ldq,
                          double* x, const double* w) {
+  // (Loads as raw bits first, converted after: a run of them waits one memory latency, not one
+  // per element, as rt_ld's dtype branches made it.)
   const int tid = ndd_tid();
   const int64_t R = a.R, N = a.N, half = N / 2, T = a.C * R, TL = q.L * R;
-  auto el = [&](const View& v, const View& bias, int64_t t, int64_t r, int64_t m) {
-    return ldd(v, q.b * v.s[0] + t * v.s[1] + r * v.s[2] + q.g * v.s[3] + m * v.s[4]) +
-           ldd(bias, q.h * bias.s[0] + r * bias.s[1] + m * bias.s[2]);
+  auto off = [&](const View& v, int64_t t, int64_t r, int64_t m) {
+    return q.b * v.s[0] + t * v.s[1] + r * v.s[2] + q.g * v.s[3] + m * v.s[4];
   };
+  auto boff = [&](const View& v, int64_t r, int64_t m) {
+    return q.h * v.s[0] + r * v.s[1] + m * v.s[2];
+  };
+  auto raw = [](const View& v, int64_t o) { return rt_ld_raw(v.p, o, v.dt); };
+  auto val = [](const View& v, uint32_t u) { return static_cast<double>(rt_raw_f(u, v.dt)); };
   for (int64_t e = tid; e < q.L * a.A; e += kThreads) {
     const int64_t i = e / a.A, ai = e % a.A, t = q.s0 + i;
     const double th = ldd(a.angles, q.b * a.angles.s[0] + t * a.angles.s[1] +
@@ -482,24 +488,52 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
     const double cs = cos(th), sn = sin(th), wi = w ? w[i] : 1.0;
     for (int64_t r = 0; r < R; ++r) {
       const int64_t row = i * R + r;
+      uint32_t u[8];
+      u[0] = raw(a.k, off(a.k, t, r, ai)), u[1] = raw(a.k, off(a.k, t, r, ai + half));
+      u[2] = raw(a.k_bias, boff(a.k_bias, r, ai));
+      u[3] = raw(a.k_bias, boff(a.k_bias, r, ai + half));
       if (qh) {
-        const double u = el(a.q, a.q_bias, t, r, ai), v = el(a.q, a.q_bias, t, r, ai + half);
-        qh[row * ldq + ai] = u * cs - v * sn;
-        qh[row * ldq + ai + half] = u * sn + v * cs;
+        u[4] = raw(a.q, off(a.q, t, r, ai)), u[5] = raw(a.q, off(a.q, t, r, ai + half));
+        u[6] = raw(a.q_bias, boff(a.q_bias, r, ai));
+        u[7] = raw(a.q_bias, boff(a.q_bias, r, ai + half));
+        const double qu = val(a.q, u[4]) + val(a.q_bias, u[6]);
+        const double qv = val(a.q, u[5]) + val(a.q_bias, u[7]);
+        qh[row * ldq + ai] = qu * cs - qv * sn;
+        qh[row * ldq + ai + half] = qu * sn + qv * cs;
       }
-      const double u = el(a.k, a.k_bias, t, r, ai), v = el(a.k, a.k_bias, t, r, ai + half);
-      kh[row * ldq + ai] = (u * cs - v * sn) * wi;
-      kh[row * ldq + ai + half] = (u * sn + v * cs) * wi;
+      const double ku = val(a.k, u[0]) + val(a.k_bias, u[2]);
+      const double kv = val(a.k, u[1]) + val(a.k_bias, u[3]);
+      kh[row * ldq + ai] = (ku * cs - kv * sn) * wi;
+      kh[row * ldq + ai + half] = (ku * sn + kv * cs) * wi;
     }
   }
   const int64_t nu = N - 2 * a.A;  // the unrotated columns A .. half - 1, half + A .. N - 1
-  for (int64_t e = tid; e < T * nu; e += kThreads) {
-    const int64_t row = e / nu, m = e % nu;
-    const int64_t n = m < half - a.A ? a.A + m : half + a.A + (m - (half - a.A));
-    const int64_t i = row / R, r = row % R, t = q.s0 + i;
-    const bool live = row < TL;
-    if (qh) qh[row * ldq + n] = live ? el(a.q, a.q_bias, t, r, n) : 0.0;
-    kh[row * ldq + n] = live ? el(a.k, a.k_bias, t, r, n) * (w ? w[i] : 1.0) : 0.0;
+  constexpr int kB = 4;            // elements per thread and round
+  for (int64_t e0 = tid; e0 < T * nu; e0 += kB * kThreads) {
+    uint32_t uq[kB], uqb[kB], uk[kB], ukb[kB];
+    int64_t dst[kB];
+    bool live[kB];
+    NDD_UNROLL
+    for (int v = 0; v < kB; ++v) {
+      const int64_t e = e0 + v * kThreads, row = e / nu, m = e % nu;
+      const int64_t n = m < half - a.A ? a.A + m : half + a.A + (m - (half - a.A));
+      const int64_t t = q.s0 + row / R, r = row % R;
+      live[v] = e < T * nu && row < TL;
+      dst[v] = e < T * nu ? row * ldq + n : -1;
+      uq[v] = uqb[v] = uk[v] = ukb[v] = 0;
+      if (live[v]) {
+        if (qh) uq[v] = raw(a.q, off(a.q, t, r, n)), uqb[v] = raw(a.q_bias, boff(a.q_bias, r, n));
+        uk[v] = raw(a.k, off(a.k, t, r, n)), ukb[v] = raw(a.k_bias, boff(a.k_bias, r, n));
+      }
+    }
+    NDD_UNROLL
+    for (int v = 0; v < kB; ++v) {
+      if (dst[v] < 0) continue;
+      const int64_t row = dst[v] / ldq;
+      if (qh) qh[dst[v]] = live[v] ? val(a.q, uq[v]) + val(a.q_bias, uqb[v]) : 0.0;
+      kh[dst[v]] = live[v] ? (val(a.k, uk[v]) + val(a.k_bias, ukb[v])) * (w ? w[row / R] : 1.0)
+                           : 0.0;
+    }
   }
   for (int64_t e = tid; e < (T - TL) * 2 * a.A; e += kThreads) {  // rotated columns, dead rows
     const int64_t row = TL + e / (2 * a.A), m = e % (2 * a.A);
@@ -507,9 +541,23 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
     if (qh) qh[row * ldq + n] = 0.0;
     kh[row * ldq + n] = 0.0;
   }
-  for (int64_t e = tid; e < T * a.P; e += kThreads) {
-    const int64_t row = e / a.P;
-    x[e] = row < TL ? x_of(a, q, row, e % a.P) : 0.0;
+  for (int64_t e0 = tid; e0 < T * a.P; e0 += kB * kThreads) {
+    uint32_t uv[kB], um[kB];
+    NDD_UNROLL
+    for (int v = 0; v < kB; ++v) {
+      const int64_t e = e0 + v * kThreads, row = e / a.P, p = e % a.P;
+      const int64_t t = q.s0 + row / R, r = row % R;
+      uv[v] = um[v] = 0;
+      if (e < T * a.P && row < TL) {
+        uv[v] = raw(a.v, q.b * a.v.s[0] + t * a.v.s[1] + q.h * a.v.s[2] + p * a.v.s[3]);
+        um[v] = raw(a.mimo_v, q.h * a.mimo_v.s[0] + r * a.mimo_v.s[1] + p * a.mimo_v.s[2]);
+      }
+    }
+    NDD_UNROLL
+    for (int v = 0; v < kB; ++v) {
+      const int64_t e = e0 + v * kThreads;
+      if (e < T * a.P) x[e] = e / a.P < TL ? val(a.v, uv[v]) * val(a.mimo_v, um[v]) : 0.0;
+    }
   }
 }
 
@@ -714,16 +762,29 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
       double yy = 0, yx = 0, gy = 0, gx = 0;
       if (row < TL) {
         const int64_t t = q.s0 + row / R, r = row % R;
+        uint32_t u5[4][5];  // (raw loads first: one latency for the row's 20)
         NDD_UNROLL
         for (int jj = 0; jj < 4; ++jj) {
           const int64_t p = p0 + jj;
-          const double zu = ldd(a.z, q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] + p * a.z.s[3]) *
-                            ldd(a.mimo_z, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] + p * a.mimo_z.s[2]);
-          const double g =
-              ldd(a.dout, q.b * a.dout.s[0] + t * a.dout.s[1] + q.h * a.dout.s[2] + p * a.dout.s[3]) *
-              ldd(a.mimo_o, q.h * a.mimo_o.s[0] + r * a.mimo_o.s[1] + p * a.mimo_o.s[2]) * zu *
-              sigmoid_d(zu) * ldd(a.norm_weight, q.h * a.norm_weight.s[0] + p * a.norm_weight.s[1]);
-          const double yv = y[u][i][jj], xv = x[row * P + p];
+          u5[jj][0] = rt_ld_raw(a.z.p, q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] +
+                                           p * a.z.s[3], a.z.dt);
+          u5[jj][1] = rt_ld_raw(a.mimo_z.p, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
+                                                p * a.mimo_z.s[2], a.mimo_z.dt);
+          u5[jj][2] = rt_ld_raw(a.dout.p, q.b * a.dout.s[0] + t * a.dout.s[1] +
+                                              q.h * a.dout.s[2] + p * a.dout.s[3], a.dout.dt);
+          u5[jj][3] = rt_ld_raw(a.mimo_o.p, q.h * a.mimo_o.s[0] + r * a.mimo_o.s[1] +
+                                                p * a.mimo_o.s[2], a.mimo_o.dt);
+          u5[jj][4] = rt_ld_raw(a.norm_weight.p, q.h * a.norm_weight.s[0] +
+                                                     p * a.norm_weight.s[1], a.norm_weight.dt);
+        }
+        NDD_UNROLL
+        for (int jj = 0; jj < 4; ++jj) {
+          const double zu = double{rt_raw_f(u5[jj][0], a.z.dt)} *
+                            double{rt_raw_f(u5[jj][1], a.mimo_z.dt)};
+          const double g = double{rt_raw_f(u5[jj][2], a.dout.dt)} *
+                           double{rt_raw_f(u5[jj][3], a.mimo_o.dt)} * zu * sigmoid_d(zu) *
+                           double{rt_raw_f(u5[jj][4], a.norm_weight.dt)};
+          const double yv = y[u][i][jj], xv = x[row * P + p0 + jj];
           yy += yv * yv, yx += yv * xv, gy += g * yv, gx += g * xv;
         }
       }
