@@ -430,12 +430,14 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
 // register-blocked 4 x 4 tiles (16 FMA per 8 shared loads), the states staged through shared
 // memory in blocks of n rows: the generic bodies above re-read q / k per tile pair and S_c from
 // L2 per row group, and took 24 ms for the readout at N128 P64 R4 C16 B4 S2048 H16 (H100).
-// The same formulas; sums in another fixed order (float64 both).
+// The same formulas; sums in another fixed order (float64 both). A thread's four columns are P / 4
+// apart, so that a warp's lanes read consecutive doubles (four consecutive columns per thread
+// put 16 lanes on 4 bank pairs).
 
 constexpr int kYBlocks = 2;  // 4 x 4 output blocks per thread (readout's Y, increment's U)
 constexpr int kStageDoubles = 2048;  // the readout's S_c stage (n rows x P)
 
-NDD_HD int64_t fast_ldq(const Args& a) { return a.N + 2; }  // qh / kh rows (16-byte aligned)
+NDD_HD int64_t fast_ldq(const Args& a) { return a.N + 1; }  // qh / kh rows (odd: bank spread)
 NDD_HD int64_t fast_T(const Args& a) { return a.C * a.R; }
 NDD_HD int64_t stage_rows(const Args& a) {
   const int64_t r = kStageDoubles / a.P;
@@ -507,61 +509,77 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
       kh[row * ldq + ai + half] = (ku * sn + kv * cs) * wi;
     }
   }
-  const int64_t nu = N - 2 * a.A;  // the unrotated columns A .. half - 1, half + A .. N - 1
-  constexpr int kB = 4;            // elements per thread and round
-  for (int64_t e0 = tid; e0 < T * nu; e0 += kB * kThreads) {
-    uint32_t uq[kB], uqb[kB], uk[kB], ukb[kB];
-    int64_t dst[kB];
+  // The unrotated columns A .. half - 1, half + A .. N - 1 and x: rows by thread rows (ty),
+  // columns by lanes (tx), kB rows per round with their loads first; 32-bit in-chunk indices and
+  // each row's step and rank formed once per round (a division per element, in 64 bits, cost
+  // more than the loads).
+  constexpr int kB = 4, kTX = 32, kTY = kThreads / kTX;
+  const int tx = tid % kTX, ty = tid / kTX;
+  const int Ti = static_cast<int>(T), TLi = static_cast<int>(TL), Ri = static_cast<int>(R);
+  const int nu = static_cast<int>(N - 2 * a.A), Ai = static_cast<int>(a.A);
+  const int halfi = static_cast<int>(half), Pi = static_cast<int>(a.P);
+  for (int row0 = ty; row0 < Ti; row0 += kB * kTY) {
+    int64_t tv[kB];
+    int rv[kB];
     bool live[kB];
     NDD_UNROLL
     for (int v = 0; v < kB; ++v) {
-      const int64_t e = e0 + v * kThreads, row = e / nu, m = e % nu;
-      const int64_t n = m < half - a.A ? a.A + m : half + a.A + (m - (half - a.A));
-      const int64_t t = q.s0 + row / R, r = row % R;
-      live[v] = e < T * nu && row < TL;
-      dst[v] = e < T * nu ? row * ldq + n : -1;
-      uq[v] = uqb[v] = uk[v] = ukb[v] = 0;
-      if (live[v]) {
-        if (qh) uq[v] = raw(a.q, off(a.q, t, r, n)), uqb[v] = raw(a.q_bias, boff(a.q_bias, r, n));
-        uk[v] = raw(a.k, off(a.k, t, r, n)), ukb[v] = raw(a.k_bias, boff(a.k_bias, r, n));
+      const int row = row0 + v * kTY, i = row / Ri;
+      tv[v] = q.s0 + i, rv[v] = row - i * Ri, live[v] = row < TLi;
+    }
+    for (int m = tx; m < nu; m += kTX) {
+      const int n = m < halfi - Ai ? Ai + m : halfi + Ai + (m - (halfi - Ai));
+      uint32_t uq[kB], uqb[kB], uk[kB], ukb[kB];
+      NDD_UNROLL
+      for (int v = 0; v < kB; ++v) {
+        uq[v] = uqb[v] = uk[v] = ukb[v] = 0;
+        if (live[v]) {
+          if (qh) {
+            uq[v] = raw(a.q, off(a.q, tv[v], rv[v], n));
+            uqb[v] = raw(a.q_bias, boff(a.q_bias, rv[v], n));
+          }
+          uk[v] = raw(a.k, off(a.k, tv[v], rv[v], n));
+          ukb[v] = raw(a.k_bias, boff(a.k_bias, rv[v], n));
+        }
+      }
+      NDD_UNROLL
+      for (int v = 0; v < kB; ++v) {
+        const int row = row0 + v * kTY;
+        if (row >= Ti) continue;
+        const int64_t d = int64_t{row} * ldq + n;
+        if (qh) qh[d] = live[v] ? val(a.q, uq[v]) + val(a.q_bias, uqb[v]) : 0.0;
+        kh[d] = live[v] ? (val(a.k, uk[v]) + val(a.k_bias, ukb[v])) *
+                              (w ? w[tv[v] - q.s0] : 1.0)
+                        : 0.0;
       }
     }
-    NDD_UNROLL
-    for (int v = 0; v < kB; ++v) {
-      if (dst[v] < 0) continue;
-      const int64_t row = dst[v] / ldq;
-      if (qh) qh[dst[v]] = live[v] ? val(a.q, uq[v]) + val(a.q_bias, uqb[v]) : 0.0;
-      kh[dst[v]] = live[v] ? (val(a.k, uk[v]) + val(a.k_bias, ukb[v])) * (w ? w[row / R] : 1.0)
-                           : 0.0;
-    }
-  }
-  for (int64_t e = tid; e < (T - TL) * 2 * a.A; e += kThreads) {  // rotated columns, dead rows
-    const int64_t row = TL + e / (2 * a.A), m = e % (2 * a.A);
-    const int64_t n = m < a.A ? m : half + (m - a.A);
-    if (qh) qh[row * ldq + n] = 0.0;
-    kh[row * ldq + n] = 0.0;
-  }
-  for (int64_t e0 = tid; e0 < T * a.P; e0 += kB * kThreads) {
-    uint32_t uv[kB], um[kB];
-    NDD_UNROLL
-    for (int v = 0; v < kB; ++v) {
-      const int64_t e = e0 + v * kThreads, row = e / a.P, p = e % a.P;
-      const int64_t t = q.s0 + row / R, r = row % R;
-      uv[v] = um[v] = 0;
-      if (e < T * a.P && row < TL) {
-        uv[v] = raw(a.v, q.b * a.v.s[0] + t * a.v.s[1] + q.h * a.v.s[2] + p * a.v.s[3]);
-        um[v] = raw(a.mimo_v, q.h * a.mimo_v.s[0] + r * a.mimo_v.s[1] + p * a.mimo_v.s[2]);
+    for (int p = tx; p < Pi; p += kTX) {
+      uint32_t uv[kB], um[kB];
+      NDD_UNROLL
+      for (int v = 0; v < kB; ++v) {
+        uv[v] = um[v] = 0;
+        if (live[v]) {
+          uv[v] = raw(a.v, q.b * a.v.s[0] + tv[v] * a.v.s[1] + q.h * a.v.s[2] + p * a.v.s[3]);
+          um[v] = raw(a.mimo_v, q.h * a.mimo_v.s[0] + rv[v] * a.mimo_v.s[1] + p * a.mimo_v.s[2]);
+        }
+      }
+      NDD_UNROLL
+      for (int v = 0; v < kB; ++v) {
+        const int row = row0 + v * kTY;
+        if (row < Ti) x[row * Pi + p] = live[v] ? val(a.v, uv[v]) * val(a.mimo_v, um[v]) : 0.0;
       }
     }
-    NDD_UNROLL
-    for (int v = 0; v < kB; ++v) {
-      const int64_t e = e0 + v * kThreads;
-      if (e < T * a.P) x[e] = e / a.P < TL ? val(a.v, uv[v]) * val(a.mimo_v, um[v]) : 0.0;
-    }
+  }
+  for (int e = tid; e < (Ti - TLi) * 2 * Ai; e += kThreads) {  // rotated columns, dead rows
+    const int row = TLi + e / (2 * Ai), m = e % (2 * Ai);
+    const int n = m < Ai ? m : halfi + (m - Ai);
+    if (qh) qh[int64_t{row} * ldq + n] = 0.0;
+    kh[int64_t{row} * ldq + n] = 0.0;
   }
 }
 
-// Grid: B H (nch - 1) fast_slabs. Thread block u of this slab's U blocks (n0, p0) (4 x 4).
+// Grid: B H (nch - 1) fast_slabs. Thread block u of this slab's U blocks: rows n0 .. n0 + 3,
+// columns pl + jj P / 4 (a warp's lanes on consecutive columns: conflict-free x loads).
 NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
   const int64_t nsl = fast_slabs(a), bid = ndd_bid(), slab = bid % nsl, bc = bid / nsl;
   const int64_t c = bc % (a.nch - 1), bh = bc / (a.nch - 1);
@@ -598,11 +616,11 @@ NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
   NDD_UNROLL
   for (int u = 0; u < kYBlocks; ++u) {
     if (blk[u] >= nblk) continue;
-    const int64_t n0 = (blk[u] / nbp) * 4, p0 = (blk[u] % nbp) * 4;
+    const int64_t n0 = (blk[u] / nbp) * 4, pl = blk[u] % nbp;
     for (int64_t j = 0; j < T; ++j) {
       double kv[4], xv[4];
       NDD_UNROLL
-      for (int i = 0; i < 4; ++i) kv[i] = kh[j * ldq + n0 + i], xv[i] = x[j * P + p0 + i];
+      for (int i = 0; i < 4; ++i) kv[i] = kh[j * ldq + n0 + i], xv[i] = x[j * P + pl + i * nbp];
       NDD_UNROLL
       for (int i = 0; i < 4; ++i)
         NDD_UNROLL
@@ -613,11 +631,11 @@ NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
   NDD_UNROLL
   for (int u = 0; u < kYBlocks; ++u) {
     if (blk[u] >= nblk) continue;
-    const int64_t n0 = (blk[u] / nbp) * 4, p0 = (blk[u] % nbp) * 4;
+    const int64_t n0 = (blk[u] / nbp) * 4, pl = blk[u] % nbp;
     NDD_UNROLL
     for (int i = 0; i < 4; ++i)
       NDD_UNROLL
-      for (int jj = 0; jj < 4; ++jj) U[(n0 + i) * P + p0 + jj] = acc[u][i][jj];
+      for (int jj = 0; jj < 4; ++jj) U[(n0 + i) * P + pl + jj * nbp] = acc[u][i][jj];
   }
 }
 
@@ -629,6 +647,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   const ChunkPos q = chunk_pos(a, bh, c);
   const int64_t T = fast_T(a), ldq = fast_ldq(a), P = a.P, N = a.N, R = a.R, lda = T + 2;
   const int64_t TL = q.L * R, nbt = T / 4, nbp = P / 4, ns = stage_rows(a);
+  const int Ri = static_cast<int>(R);  // (32-bit divisions by R in the per-element code)
   double* sm = reinterpret_cast<double*>(smem);
   double* gam = sm;              // [C]
   double* tsc = gam + a.C;       // [C]
@@ -646,31 +665,31 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   // A[ti][tj] = qh_i . kh_j times tscale_j exp(segsum_ij) (step j < step i), gamma_i (same
   // step), 0 (later step)
   for (int64_t b = tid; b < nbt * nbt; b += kThreads) {
-    const int64_t i0 = (b / nbt) * 4, j0 = (b % nbt) * 4;
+    // rows il + i nbt (a half-warp's lanes on consecutive rows: qh rows ldq = N + 1 apart hit
+    // distinct banks), columns j0 .. j0 + 3 (the same for the half-warp: broadcast)
+    const int64_t il = b % nbt, j0 = (b / nbt) * 4;
     double s[4][4];
     NDD_UNROLL
     for (int i = 0; i < 4; ++i)
       NDD_UNROLL
       for (int j = 0; j < 4; ++j) s[i][j] = 0.0;
-    if (j0 / R <= (i0 + 3) / R) {  // (a block wholly after the rows' steps stays zero)
-      for (int64_t n = 0; n < N; ++n) {
-        double qv[4], kv[4];
+    for (int64_t n = 0; n < N; ++n) {
+      double qv[4], kv[4];
+      NDD_UNROLL
+      for (int i = 0; i < 4; ++i) qv[i] = qh[(il + i * nbt) * ldq + n], kv[i] = kh[(j0 + i) * ldq + n];
+      NDD_UNROLL
+      for (int i = 0; i < 4; ++i)
         NDD_UNROLL
-        for (int i = 0; i < 4; ++i) qv[i] = qh[(i0 + i) * ldq + n], kv[i] = kh[(j0 + i) * ldq + n];
-        NDD_UNROLL
-        for (int i = 0; i < 4; ++i)
-          NDD_UNROLL
-          for (int j = 0; j < 4; ++j) s[i][j] += qv[i] * kv[j];
-      }
+        for (int j = 0; j < 4; ++j) s[i][j] += qv[i] * kv[j];
     }
     NDD_UNROLL
     for (int i = 0; i < 4; ++i)
       NDD_UNROLL
       for (int j = 0; j < 4; ++j) {
-        const int64_t ri = i0 + i, rj = j0 + j;
+        const int64_t ri = il + i * nbt, rj = j0 + j;
         double v = 0.0;
         if (ri < TL && rj < TL) {
-          const int si = static_cast<int>(ri / R), sj = static_cast<int>(rj / R);
+          const int si = static_cast<int>(ri) / Ri, sj = static_cast<int>(rj) / Ri;
           if (sj < si) {
             const double sg = q.partial ? dacs[si] - dacs[sj]
                                         : ldd(a.segsum, q.b * a.segsum.s[0] + q.h * a.segsum.s[1] +
@@ -684,7 +703,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
         A[ri * lda + rj] = v;
       }
   }
-  // Y blocks: thread tid owns blocks tid + u kThreads (t0, p0)
+  // Y blocks: thread tid owns blocks tid + u kThreads: rows t0 .. t0 + 3, columns pl + jj P / 4
   double y[kYBlocks][4][4];
   int64_t blk[kYBlocks];
   const int64_t nblk = nbt * nbp;
@@ -701,16 +720,25 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
     for (int64_t n0 = 0; n0 < N; n0 += ns) {
       const int64_t nn = N - n0 < ns ? N - n0 : ns;
       ndd_sync();  // (the previous stage's readers)
-      for (int64_t e = tid; e < nn * P; e += kThreads) st[e] = St[n0 * P + e];
+      for (int64_t e0 = tid; e0 < nn * P; e0 += 4 * kThreads) {  // (loads first)
+        double v[4];
+        NDD_UNROLL
+        for (int u = 0; u < 4; ++u)
+          v[u] = e0 + u * kThreads < nn * P ? St[n0 * P + e0 + u * kThreads] : 0.0;
+        NDD_UNROLL
+        for (int u = 0; u < 4; ++u)
+          if (e0 + u * kThreads < nn * P) st[e0 + u * kThreads] = v[u];
+      }
       ndd_sync();
       NDD_UNROLL
       for (int u = 0; u < kYBlocks; ++u) {
         if (blk[u] >= nblk) continue;
-        const int64_t t0 = (blk[u] / nbp) * 4, p0 = (blk[u] % nbp) * 4;
+        const int64_t t0 = (blk[u] / nbp) * 4, pl = blk[u] % nbp;
         for (int64_t n = 0; n < nn; ++n) {
           double qv[4], sv[4];
           NDD_UNROLL
-          for (int i = 0; i < 4; ++i) qv[i] = qh[(t0 + i) * ldq + n0 + n], sv[i] = st[n * P + p0 + i];
+          for (int i = 0; i < 4; ++i)
+            qv[i] = qh[(t0 + i) * ldq + n0 + n], sv[i] = st[n * P + pl + i * nbp];
           NDD_UNROLL
           for (int i = 0; i < 4; ++i)
             NDD_UNROLL
@@ -724,7 +752,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
       const int64_t t0 = (blk[u] / nbp) * 4;
       NDD_UNROLL
       for (int i = 0; i < 4; ++i) {
-        const double e = t0 + i < TL ? exp(dacs[(t0 + i) / R]) : 0.0;
+        const double e = t0 + i < TL ? exp(dacs[static_cast<int>(t0 + i) / Ri]) : 0.0;
         NDD_UNROLL
         for (int j = 0; j < 4; ++j) y[u][i][j] *= e;
       }
@@ -735,12 +763,12 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   NDD_UNROLL
   for (int u = 0; u < kYBlocks; ++u) {
     if (blk[u] >= nblk) continue;
-    const int64_t t0 = (blk[u] / nbp) * 4, p0 = (blk[u] % nbp) * 4;
-    const int64_t jend = ((t0 + 3) / R + 1) * R;  // through the last rank of row t0 + 3's step
+    const int64_t t0 = (blk[u] / nbp) * 4, pl = blk[u] % nbp;
+    const int64_t jend = (static_cast<int>(t0 + 3) / Ri + 1) * R;  // (row t0 + 3's last rank)
     for (int64_t j = 0; j < (jend < T ? jend : T); ++j) {
       double av[4], xv[4];
       NDD_UNROLL
-      for (int i = 0; i < 4; ++i) av[i] = A[(t0 + i) * lda + j], xv[i] = x[j * P + p0 + i];
+      for (int i = 0; i < 4; ++i) av[i] = A[(t0 + i) * lda + j], xv[i] = x[j * P + pl + i * nbp];
       NDD_UNROLL
       for (int i = 0; i < 4; ++i)
         NDD_UNROLL
@@ -749,23 +777,24 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
     NDD_UNROLL
     for (int i = 0; i < 4; ++i)
       NDD_UNROLL
-      for (int jj = 0; jj < 4; ++jj) y[u][i][jj] += Dh * x[(t0 + i) * P + p0 + jj];
+      for (int jj = 0; jj < 4; ++jj) y[u][i][jj] += Dh * x[(t0 + i) * P + pl + jj * nbp];
   }
   ndd_sync();  // qh, kh and A are dead: the partials go over them
   NDD_UNROLL
   for (int u = 0; u < kYBlocks; ++u) {
     if (blk[u] >= nblk) continue;
-    const int64_t t0 = (blk[u] / nbp) * 4, bp = blk[u] % nbp, p0 = bp * 4;
+    const int64_t t0 = (blk[u] / nbp) * 4, bp = blk[u] % nbp;  // columns bp + jj nbp
     NDD_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int64_t row = t0 + i;
       double yy = 0, yx = 0, gy = 0, gx = 0;
       if (row < TL) {
-        const int64_t t = q.s0 + row / R, r = row % R;
+        const int ii = static_cast<int>(row) / Ri;
+        const int64_t t = q.s0 + ii, r = row - int64_t{ii} * R;
         uint32_t u5[4][5];  // (raw loads first: one latency for the row's 20)
         NDD_UNROLL
         for (int jj = 0; jj < 4; ++jj) {
-          const int64_t p = p0 + jj;
+          const int64_t p = bp + jj * nbp;
           u5[jj][0] = rt_ld_raw(a.z.p, q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] +
                                            p * a.z.s[3], a.z.dt);
           u5[jj][1] = rt_ld_raw(a.mimo_z.p, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
@@ -784,7 +813,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
           const double g = double{rt_raw_f(u5[jj][2], a.dout.dt)} *
                            double{rt_raw_f(u5[jj][3], a.mimo_o.dt)} * zu * sigmoid_d(zu) *
                            double{rt_raw_f(u5[jj][4], a.norm_weight.dt)};
-          const double yv = y[u][i][jj], xv = x[row * P + p0 + jj];
+          const double yv = y[u][i][jj], xv = x[row * P + bp + jj * nbp];
           yy += yv * yv, yx += yv * xv, gy += g * yv, gx += g * xv;
         }
       }
