@@ -8,8 +8,11 @@ process on one GPU (SPEC.md section 4). --op selects what is measured:
   combined mamba3_mimo_bwd_combined vs upstream's Python function mamba_mimo_bwd_combined (its
            two kernels plus its torch/Triton reductions and allocations, timed end to end as GPU
            time), z, mimo_z, D and mimo_o on, no norm
-  all      the three in sequence in one process (one ceilings measurement, one set of upstream
-           compile threads for every kernel needed)
+  combined_norm  the same with the fused pre-gate norm (norm_weight; upstream's
+           fuse_pregate_headwise_rms_norm: its norm first pass and packed-dout second pass);
+           ours computes dD in float64 there (src/cuda/mimo_norm_dd_f64.cuh)
+  all      bwd_fwd, bwd_bwd and combined in sequence in one process (one ceilings measurement,
+           one set of upstream compile threads for every kernel needed)
 
 Shapes: the 11-shape grid B=4, S=2048, H=16, G=1 over (N, P, R, C); bf16 activations (dout, q,
 k, v, z) and trap, f32 q/k biases, mimo_v/o/z, D, angles, dt, da_cs, da_cs_rev, segsum (the
@@ -112,14 +115,19 @@ N_COPIES = 2
 OUT_NAMES = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
 ARG_ORDER = ("dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v", "mimo_o", "angles", "da_cs",
              "da_cs_rev", "dt", "trap", "segsum")
-OPS = ("bwd_fwd", "bwd_bwd", "combined")
+OPS = ("bwd_fwd", "bwd_bwd", "combined", "combined_norm")
+OPS_ALL = ("bwd_fwd", "bwd_bwd", "combined")  # --op all (combined_norm on request)
 OUT_FILE = {"bwd_fwd": "bench_mimo_bwd", "bwd_bwd": "bench_mimo_bwd_bwd",
-            "combined": "bench_mimo_combined"}
+            "combined": "bench_mimo_combined", "combined_norm": "bench_mimo_combined_norm"}
 BB_OUT_NAMES = mimo.BWD_BWD_OUTPUTS
 CB_OUT_NAMES = mimo.COMBINED_OUTPUTS
 # Upstream kernels each op needs: bwd_fwd (Z, D, reduce-O), bwd_bwd without Z (the bwd_bwd op),
 # bwd_bwd with Z (what mamba_mimo_bwd_combined builds when z is given).
-UP_KINDS = {"bwd_fwd": ("bwd_fwd",), "bwd_bwd": ("bwd_bwd",), "combined": ("bwd_fwd", "bwd_bwd_z")}
+# With the fused norm its first pass runs the norm variant and its second pass the packed
+# pre-RMS dout without Z or reduce-O (mamba_mimo_bwd_combined with
+# fuse_pregate_headwise_rms_norm=True).
+UP_KINDS = {"bwd_fwd": ("bwd_fwd",), "bwd_bwd": ("bwd_bwd",), "combined": ("bwd_fwd", "bwd_bwd_z"),
+            "combined_norm": ("bwd_fwd_norm", "bwd_bwd_packed")}
 
 
 def label(shape):
@@ -167,9 +175,13 @@ def upstream_args(kind, shape):
     Z, D, reduce-O, no norm, 128 threads; bwd_bwd with D, reduce-O, plain dout, 256 threads, Z
     off ("bwd_bwd") or on ("bwd_bwd_z"); 0 stages and bf16 states for all."""
     N, P, R, C = shape
-    if kind == "bwd_fwd":
+    if kind in ("bwd_fwd", "bwd_fwd_norm"):
         return ("mamba_mimo_bwd_fwd",
-                (B, S, H, G, N, P, R, True, True, True, False, C, RDD, "bfloat16", 1e-5, 128, 0),
+                (B, S, H, G, N, P, R, True, True, True, kind == "bwd_fwd_norm", C, RDD,
+                 "bfloat16", 1e-5, 128, 0), dict(states_dtype=BF16))
+    if kind == "bwd_bwd_packed":  # (hasZ, D, reduce-O, packed dout)
+        return ("mamba_mimo_bwd_bwd",
+                (B, S, H, G, N, P, R, False, True, False, True, C, RDD, "bfloat16", 256, 0),
                 dict(states_dtype=BF16))
     return ("mamba_mimo_bwd_bwd",
             (B, S, H, G, N, P, R, kind == "bwd_bwd_z", True, True, False, C, RDD, "bfloat16",
@@ -237,6 +249,10 @@ def make_inputs(shape, seed):
     adt = -u((B, H, S), 0.1, 1.5, F64) * d["dt"].to(F64)
     da_cs, da_cs_rev, segsum = mimo_ref.dacs_segsum(adt, C)
     d.update(da_cs=da_cs.to(F32), da_cs_rev=da_cs_rev.to(F32), segsum=segsum.to(F32), _adt=adt)
+    # The fused norm's weight (combined_norm), from its own generator: the other inputs are the
+    # same values as without it.
+    gn = torch.Generator(device=DEV).manual_seed(seed + 7)
+    d["norm_weight"] = torch.rand((H, P), device=DEV, generator=gn, dtype=F32) + 0.5
     return d
 
 
@@ -354,12 +370,25 @@ def cb_upstream_call(up, s, C):
     return tuple(up.mamba_mimo_bwd_combined(*(s[k] for k in CB_ARGS), C, RDD, "bfloat16"))
 
 
-def cb_ref(s, C):
+def cb_ref(s, C, norm=False):
     r = {k: s[k] for k in CB_ARGS}
-    r.update(norm_weight=None, norm_eps=1e-5, chunk_size=C, rotary_dim_divisor=RDD,
-             _adt=s["_adt"])
+    r.update(norm_weight=s["norm_weight"] if norm else None, norm_eps=1e-5, chunk_size=C,
+             rotary_dim_divisor=RDD, _adt=s["_adt"])
     ref = mimo_ref.combined_reference(r, F32)
     return tuple(ref[n] for n in CB_OUT_NAMES)
+
+
+# ---- combined with the fused pre-gate norm (its dD in float64: mimo_norm_dd_f64.cuh)
+
+def cbn_ours(s, C):
+    return mimo.mamba3_mimo_bwd_combined(*(s[k] for k in CB_ARGS), C, RDD,
+                                         norm_weight=s["norm_weight"])
+
+
+def cbn_upstream_call(up, s, C):
+    return tuple(up.mamba_mimo_bwd_combined(*(s[k] for k in CB_ARGS), C, RDD, "bfloat16",
+                                            fuse_pregate_headwise_rms_norm=True,
+                                            outproj_norm_weight=s["norm_weight"]))
 
 
 class Op:
@@ -473,6 +502,12 @@ def make_ops(up):
                        "mamba3_mimo_bwd_combined vs upstream mamba_mimo_bwd_combined (Python "
                        "function, end to end: allocations, two kernels, reductions); Z, D, "
                        "reduce-O, no norm"),
+        "combined_norm": Op("combined_norm", CB_OUT_NAMES, CB_ARGS + ("norm_weight",), None,
+                            cbn_ours, lambda ks, s, C: cbn_upstream_call(up, s, C),
+                            lambda s, C: cb_ref(s, C, norm=True), cb_flops,
+                            "mamba3_mimo_bwd_combined vs upstream mamba_mimo_bwd_combined with "
+                            "the fused pre-gate norm (fuse_pregate_headwise_rms_norm); Z, D, "
+                            "reduce-O; our dD in float64"),
     }
 
 
@@ -629,8 +664,9 @@ def main():
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--op", default="bwd_fwd",
-                    help="what to measure: bwd_fwd (default), bwd_bwd, combined, a comma-separated "
-                         "list of them, or all (the three in one process)")
+                    help="what to measure: bwd_fwd (default), bwd_bwd, combined, combined_norm (the "
+                         "combined backward with the fused norm), a comma-separated list of them, "
+                         "or all (the first three in one process)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-upstream", action="store_true")
     ap.add_argument("--no-ref", dest="ref", action="store_false",
@@ -659,7 +695,7 @@ def main():
         cfg.no_upstream = True
     cfg.reps, cfg.trials, cfg.warmup = (10, 5, 2) if cfg.quick else (20, 11, 3)
     shapes = SHAPES if not cfg.shapes else [SHAPES[int(i)] for i in cfg.shapes.split(",")]
-    op_names = list(OPS) if cfg.op == "all" else [o.strip() for o in cfg.op.split(",")]
+    op_names = list(OPS_ALL) if cfg.op == "all" else [o.strip() for o in cfg.op.split(",")]
     bad = [o for o in op_names if o not in OPS]
     if bad:
         ap.error(f"--op: unknown {', '.join(bad)} (choose from {', '.join(OPS)}, or all)")
@@ -722,7 +758,7 @@ def main():
             else:  # the outputs' sizes, from our allocator on the meta device
                 s0 = sets[0]
                 outs = mimo._cb_alloc(s0["q"], s0["k"], s0["v"], C, RDD, None, True, True, True,
-                                      False, lambda shape_, dt_: torch.empty(
+                                      name == "combined_norm", lambda shape_, dt_: torch.empty(
                                           shape_, dtype=dt_, device="meta"))
             row["bytes"] = nbytes([sets[0][k] for k in op.inputs], outs)
             ref = None
