@@ -14,15 +14,17 @@
 //   scan       per (b, h, element of [N][P]): S_0 = 0, S_{c+1} = exp(da_cs_{last of c}) S_c + U_c,
 //              S_c written over U_c (the state entering chunk c)
 //   readout    per (b, h, chunk): y of every row (inter-chunk qh S_c exp(da_cs_i), the strictly
-//              causal intra-chunk sum, the diagonal gamma_i qh . kh, D x) in row tiles of kTile
-//              rows, flash-style over the earlier tiles; each row's term
+//              causal intra-chunk sum, the diagonal gamma_i qh . kh, D x); each row's term
 //              rstd (G . x - (y . x) rstd^2 (G . y) / P), G = dL/dxhat = dout Phi silu(z Zeta) w,
 //              summed in row order into the chunk's partial
 //   final      per h: dD = sum over b, then c, of the partials (double), stored in dD's dtype
 //
+// Two kernel sets: the generic bodies (any shape: row tiles of Args::tile rows, flash-style over
+// the column tiles up to the row tile's last step) and the whole-chunk bodies further down
+// (fast_ok shapes: the chunk's rows in shared memory once, 4 x 4 register tiles).
 // The same formulas as the CPU backend's ChunkForward<double> (tail rule included: a partial
-// last chunk takes its decays from da_cs alone), in another order of operations: both are
-// float64, ~1e-13 apart. Deterministic: fixed owners and fixed-order sums, no atomics.
+// last chunk takes its decays from da_cs alone), in another order of operations (float64 both;
+// dD is stored in float32). Deterministic: fixed owners and fixed-order sums, no atomics.
 // The bodies are plain C++ over ndd_tid / ndd_bid / ndd_sync, so that they also run on the host
 // (tests/cpp/test_mimo_norm_dd_emulated.cpp).
 #pragma once
@@ -102,8 +104,7 @@ inline size_t readout_smem(const Args& a, int tile) {
          static_cast<size_t>(4 * a.C + tile * (4 * a.A + 2 * ldn + 4 * a.P) + tile * (tile + 1));
 }
 
-// The per-step scalars of chunk c (steps i < L, threads 0 .. C - 1): gamma_i, tscale_i (the
-// trapezoid's two halves) and da_cs_i.
+// A chunk's place: batch, head, q / k group, chunk, first step, valid steps L.
 struct ChunkPos {
   int64_t b, h, g, c, s0;
   int L;
@@ -118,6 +119,8 @@ NDD_DEV ChunkPos chunk_pos(const Args& a, int64_t bh, int64_t c) {
   return q;
 }
 
+// The per-step scalars of the chunk (step i < L by thread i): gamma_i, tscale_i (the
+// trapezoid's two halves) and da_cs_i.
 NDD_DEV void step_scalars(const Args& a, const ChunkPos& q, double* gam, double* tsc,
                           double* dacs) {
   const int i = ndd_tid();
@@ -126,9 +129,9 @@ NDD_DEV void step_scalars(const Args& a, const ChunkPos& q, double* gam, double*
   auto o3 = [&](const View& v, int64_t tt) { return q.b * v.s[0] + q.h * v.s[1] + tt * v.s[2]; };
   const double dtv = ldd(a.dt, o3(a.dt, t)), lam = sigmoid_d(ldd(a.trap, o3(a.trap, t)));
   gam[i] = dtv * lam;
-  // The next step's (1 - lambda) dt half belongs to this step, within the chunk and one past
-  // it (none past the sequence's last step).
-  const bool next = i + 1 < q.L + 1 && t + 1 < a.S;
+  // The next step's (1 - lambda) dt half belongs to this step, also the step one past the
+  // chunk's end (none past the sequence's last step).
+  const bool next = t + 1 < a.S;
   const double nxt = next ? ldd(a.dt, o3(a.dt, t + 1)) * (1.0 - sigmoid_d(ldd(a.trap, o3(a.trap, t + 1))))
                           : 0.0;
   tsc[i] = gam[i] + nxt;
