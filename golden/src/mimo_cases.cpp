@@ -52,19 +52,7 @@ std::string MimoBwdFwdCase::describe() const {
   return os.str();
 }
 
-namespace {
-
-// The first pass's inputs of a case (what mamba3_mimo_bwd_fwd and the combined backward both
-// take): drawn from rng, rounded to the case's dtypes, and the same values as the inputs of the
-// float64 golden (gi) and of the float32 reference (fi).
-struct MimoFwdInputs {
-  Buffer dout, q, k, v, qb, kb, mv, mo, mz, z, d, nw, angles, dt, trap, da_cs, da_cs_rev, segsum;
-  MimoInputs<double> gi;
-  MimoInputs<float> fi;
-};
-
-template <class Case>
-MimoFwdInputs make_fwd_inputs(const Case& c, std::mt19937_64& rng) {
+MimoFwdInputs make_mimo_fwd_inputs(const MimoBwdFwdCase& c, std::mt19937_64& rng) {
   const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.chunk;
   const int64_t A = N / c.rdd, nch = (S + C - 1) / C;
   const std::vector<int64_t> dout_shape =
@@ -151,8 +139,6 @@ MimoFwdInputs make_fwd_inputs(const Case& c, std::mt19937_64& rng) {
   return in;
 }
 
-}  // namespace
-
 CaseReport run_mimo_bwd_fwd_case(const MimoBwdFwdCase& c, Device dev, int repeats) {
   CaseReport rep;
   rep.op = "mimo_bwd_fwd";
@@ -163,7 +149,7 @@ CaseReport run_mimo_bwd_fwd_case(const MimoBwdFwdCase& c, Device dev, int repeat
     const int64_t B = c.B, S = c.S, H = c.H, N = c.N, P = c.P, R = c.R, C = c.chunk;
     const int64_t nch = (S + C - 1) / C;
     std::mt19937_64 rng(c.seed * 0xA24BAED4963EE407ull + 4242);
-    MimoFwdInputs in = make_fwd_inputs(c, rng);
+    MimoFwdInputs in = make_mimo_fwd_inputs(c, rng);
     Buffer &dout = in.dout, &q = in.q, &k = in.k, &v = in.v, &qb = in.qb, &kb = in.kb;
     Buffer &mv = in.mv, &mo = in.mo, &mz = in.mz, &z = in.z, &d = in.d, &nw = in.nw;
     Buffer &angles = in.angles, &dt = in.dt, &trap = in.trap, &da_cs = in.da_cs;
@@ -259,7 +245,7 @@ CaseReport run_mimo_bwd_combined_case(const MimoCombinedCase& c, Device dev, int
     const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.chunk;
     const int64_t A = N / c.rdd;
     std::mt19937_64 rng(c.seed * 0xD1B54A32D192ED03ull + 4444);
-    MimoFwdInputs in = make_fwd_inputs(c, rng);
+    MimoFwdInputs in = make_mimo_fwd_inputs(c, rng);
     Buffer &dout = in.dout, &q = in.q, &k = in.k, &v = in.v, &qb = in.qb, &kb = in.kb;
     Buffer &mv = in.mv, &mo = in.mo, &mz = in.mz, &z = in.z, &d = in.d, &nw = in.nw;
     Buffer &angles = in.angles, &dt = in.dt, &trap = in.trap, &da_cs = in.da_cs;

@@ -18,4 +18,21 @@ inline std::vector<golden::MimoCombinedCase> grid() {
   return mimo_bf::grid<golden::MimoCombinedCase>({kS, 1.5e8, 20240617, 1, 9, 2.5});
 }
 
+// Thirty draws of the fused pre-gate norm with D on which dD = sum dout_pre_rms . x is
+// ill-conditioned in float32 on some (1/120 .. 1/5200 of sum |dout_pre_rms| |x|): the
+// NormDdOnIllConditionedDraws tests of both backends (docs/ACCURACY.md).
+inline std::vector<golden::MimoCombinedCase> norm_dd_draws() {
+  std::vector<golden::MimoCombinedCase> v;
+  for (int s = 0; s < 60; s += 2) {
+    golden::MimoCombinedCase c;
+    const int64_t Rs[] = {1, 2, 4}, Ns[] = {16, 32}, Ps[] = {32, 64, 128}, Ss[] = {5, 33, 40, 64};
+    c.R = Rs[s % 3], c.N = Ns[(s / 3) % 2], c.P = Ps[(s / 6) % 3], c.chunk = 16;
+    c.S = Ss[(s / 5) % 4], c.B = 2, c.H = 1;
+    c.z = c.norm = c.d = c.reduce_o = true;
+    c.seed = 2000 + s;
+    v.push_back(c);
+  }
+  return v;
+}
+
 }  // namespace mamba3::test::mimo_cb

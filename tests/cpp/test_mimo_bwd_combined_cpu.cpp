@@ -328,13 +328,7 @@ namespace {
 TEST(MimoBwdCombinedCpu, NormDdOnIllConditionedDraws) {
   int fails = 0;
   double worst = 0, worst_ref = 0;
-  for (int s = 0; s < 60; s += 2) {
-    MimoCombinedCase c;
-    const int64_t Rs[] = {1, 2, 4}, Ns[] = {16, 32}, Ps[] = {32, 64, 128}, Ss[] = {5, 33, 40, 64};
-    c.R = Rs[s % 3], c.N = Ns[(s / 3) % 2], c.P = Ps[(s / 6) % 3], c.chunk = 16;
-    c.S = Ss[(s / 5) % 4], c.B = 2, c.H = 1;
-    c.z = c.norm = c.d = c.reduce_o = true;
-    c.seed = 2000 + s;
+  for (const MimoCombinedCase& c : mimo_cb::norm_dd_draws()) {
     const CaseReport r = run_mimo_bwd_combined_case(c, Device::CPU, 1);
     for (const OutputReport& o : r.outputs)
       if (o.name == "dd" && o.acc.rel_l2 > worst)

@@ -22,9 +22,10 @@
 #include "core/mimo_bwd_params.hpp"
 #include "cta_emulator.hpp"
 #include "cuda/mimo_norm_dd_f64.cuh"
-#include "host_operands.hpp"
+#include "host_operands.hpp"  // view_of
 #include "mamba3_golden/host.hpp"
 #include "mamba3_golden/mimo.hpp"
+#include "mamba3_golden/mimo_cases.hpp"
 #include "mamba3_golden/mimo_bwd_bwd.hpp"
 
 namespace mamba3::cuda::ndd {
@@ -37,7 +38,6 @@ namespace {
 
 using namespace mamba3::golden;
 namespace ndd = mamba3::cuda::ndd;
-using mamba3::test::rand_buf;
 using mamba3::test::view_of;
 
 struct NddCase {
@@ -61,73 +61,30 @@ ndd::View nview(const mamba3::TensorView& t) {
 void run_case(const NddCase& c, bool fast, std::vector<float>& got, std::vector<double>& gold) {
   const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.C;
   const int64_t A = N / c.rdd, nch = (S + C - 1) / C;
+  // The combined backward's inputs as its golden-checked cases draw them (NaN where the operator
+  // must not read: segsum on and above the diagonal and in a partial last chunk, da_cs_rev there).
+  MimoCombinedCase mc;
+  mc.B = B, mc.S = S, mc.H = H, mc.G = G, mc.N = N, mc.P = P, mc.R = R, mc.chunk = C;
+  mc.rdd = c.rdd, mc.act = c.act, mc.pad = c.pad;
+  mc.z = mc.norm = mc.d = mc.reduce_o = true;
   std::mt19937_64 rng(c.seed);
-  const IoType F32 = IoType::F32;
-  Buffer dout = rand_buf(rng, c.act, {B, S, H, P}, -1, 1, c.pad);
-  Buffer q = rand_buf(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
-  Buffer k = rand_buf(rng, c.act, {B, S, R, G, N}, -1, 1, c.pad);
-  Buffer v = rand_buf(rng, c.act, {B, S, H, P}, -1, 1, c.pad);
-  Buffer qb = rand_buf(rng, F32, {H, R, N}, -0.5, 0.5, 0);
-  Buffer kb = rand_buf(rng, F32, {H, R, N}, -0.5, 0.5, 0);
-  Buffer mv = rand_buf(rng, F32, {H, R, P}, -1, 1, 0);
-  Buffer mo = rand_buf(rng, F32, {H, R, P}, -1, 1, 0);
-  Buffer mz = rand_buf(rng, F32, {H, R, P}, -1.5, 1.5, 0);
-  Buffer z = rand_buf(rng, c.act, {B, S, H, P}, -2, 2, c.pad);
-  Buffer d = rand_buf(rng, F32, {H}, -1, 1, 0);
-  Buffer nw = rand_buf(rng, F32, {H, P}, 0.5, 1.5, 0);
-  Buffer angles = rand_buf(rng, F32, {B, S, H, A}, -3, 3, c.pad);
-  Buffer dt = rand_buf(rng, F32, {B, H, S}, 0.05, 0.6, 0);
-  Buffer trap = rand_buf(rng, F32, {B, H, S}, -2, 2, 0);
-  // The decays from one adt <= 0 (then three independent inputs); NaN where the operator must
-  // not read: segsum on and above the diagonal and in a partial last chunk, da_cs_rev there.
-  MimoInputs<double> dec;
-  dec.B = B, dec.H = H, dec.S = S, dec.chunk_size = C;
-  {
-    const std::vector<double> dtv = dt.to_double();
-    const std::vector<double> a = uniform(rng, B * H * S, 0.1, 1.5, IoType::F64);
-    dec.adt.resize(B * H * S);
-    for (int64_t i = 0; i < B * H * S; ++i) dec.adt[i] = -a[i] * dtv[i];
-    mimo_dacs_segsum(dec);
-  }
-  std::vector<double> seg_v = dec.segsum, rev_v = dec.da_cs_rev;
+  MimoFwdInputs in = make_mimo_fwd_inputs(mc, rng);
+  gold = mimo_bwd_combined(in.gi).dd;
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  const bool partial = S % C != 0;
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    for (int64_t ch = 0; ch < nch; ++ch)
-      for (int64_t i = 0; i < C; ++i)
-        for (int64_t j = 0; j < C; ++j)
-          if (j >= i || (partial && ch == nch - 1)) seg_v[((bh * nch + ch) * C + i) * C + j] = nan;
-    if (partial)
-      for (int64_t t = (nch - 1) * C; t < S; ++t) rev_v[bh * S + t] = nan;
-  }
-  Buffer da_cs = Buffer::from_double(F32, {B, H, S}, dec.da_cs);
-  Buffer da_cs_rev = Buffer::from_double(F32, {B, H, S}, rev_v);
-  Buffer segsum = Buffer::from_double(F32, {B, H, nch, C, C}, seg_v);
-
-  MimoInputs<double> gi;
-  gi.B = B, gi.S = S, gi.H = H, gi.G = G, gi.N = N, gi.P = P, gi.R = R;
-  gi.rotary_dim_divisor = c.rdd, gi.chunk_size = C;
-  gi.dout = dout.to_double(), gi.q = q.to_double(), gi.k = k.to_double(), gi.v = v.to_double();
-  gi.q_bias = qb.to_double(), gi.k_bias = kb.to_double(), gi.mimo_v = mv.to_double();
-  gi.mimo_o = mo.to_double(), gi.mimo_z = mz.to_double(), gi.z = z.to_double();
-  gi.D = d.to_double(), gi.norm_weight = nw.to_double(), gi.norm_eps = 1e-5;
-  gi.angles = angles.to_double(), gi.dt = dt.to_double(), gi.trap = trap.to_double();
-  gi.da_cs = da_cs.to_double(), gi.da_cs_rev = da_cs_rev.to_double();
-  gi.segsum = segsum.to_double();
-  gold = mimo_bwd_combined(gi).dd;
 
   ndd::Args a;
   a.B = B, a.S = S, a.H = H, a.G = G, a.N = N, a.P = P, a.R = R, a.C = C, a.nch = nch, a.A = A;
   a.eps = 1e-5;
   a.tile = c.tile;
   a.fast = fast;
-  a.q = nview(view_of(q)), a.k = nview(view_of(k)), a.q_bias = nview(view_of(qb));
-  a.k_bias = nview(view_of(kb)), a.mimo_v = nview(view_of(mv)), a.mimo_o = nview(view_of(mo));
-  a.mimo_z = nview(view_of(mz)), a.v = nview(view_of(v)), a.dout = nview(view_of(dout));
-  a.z = nview(view_of(z)), a.angles = nview(view_of(angles)), a.da_cs = nview(view_of(da_cs));
-  a.da_cs_rev = nview(view_of(da_cs_rev)), a.dt = nview(view_of(dt));
-  a.trap = nview(view_of(trap)), a.segsum = nview(view_of(segsum)), a.d = nview(view_of(d));
-  a.norm_weight = nview(view_of(nw));
+  a.q = nview(view_of(in.q)), a.k = nview(view_of(in.k)), a.q_bias = nview(view_of(in.qb));
+  a.k_bias = nview(view_of(in.kb)), a.mimo_v = nview(view_of(in.mv));
+  a.mimo_o = nview(view_of(in.mo)), a.mimo_z = nview(view_of(in.mz)), a.v = nview(view_of(in.v));
+  a.dout = nview(view_of(in.dout)), a.z = nview(view_of(in.z));
+  a.angles = nview(view_of(in.angles)), a.da_cs = nview(view_of(in.da_cs));
+  a.da_cs_rev = nview(view_of(in.da_cs_rev)), a.dt = nview(view_of(in.dt));
+  a.trap = nview(view_of(in.trap)), a.segsum = nview(view_of(in.segsum)), a.d = nview(view_of(in.d));
+  a.norm_weight = nview(view_of(in.nw));
   // NaN-filled workspace: a read before a write shows up in dD.
   std::vector<double> ws(B * H * nch * (N * P + 1), nan);
   a.states = ws.data();

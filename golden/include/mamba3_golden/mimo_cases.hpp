@@ -8,9 +8,11 @@
 #pragma once
 
 #include <cstdint>
+#include <random>
 #include <string>
 
 #include "mamba3_golden/host.hpp"
+#include "mamba3_golden/mimo.hpp"
 #include "mamba3_golden/siso_cases.hpp"  // Device, CaseReport
 
 namespace mamba3::golden {
@@ -33,6 +35,17 @@ struct MimoBwdFwdCase {
   uint64_t seed = 1;
   std::string describe() const;  // e.g. "B2 S50 H4 G2 N64 P32 R4 C16 rdd4 bf16/f32/f32->f16 z D"
 };
+
+// The first pass's inputs of a case (what mamba3_mimo_bwd_fwd and the combined backward both
+// take), drawn from rng as run_mimo_bwd_fwd_case / run_mimo_bwd_combined_case draw them: rounded
+// to the case's dtypes (padded when c.pad), NaN where the operator must not read (c.nan_unread),
+// and the same values as the inputs of the float64 golden (gi) and of the float32 reference (fi).
+struct MimoFwdInputs {
+  Buffer dout, q, k, v, qb, kb, mv, mo, mz, z, d, nw, angles, dt, trap, da_cs, da_cs_rev, segsum;
+  MimoInputs<double> gi;
+  MimoInputs<float> fi;
+};
+MimoFwdInputs make_mimo_fwd_inputs(const MimoBwdFwdCase& c, std::mt19937_64& rng);
 
 // Runs the case `repeats` times and also checks that all runs are bitwise identical (recorded as
 // an extra output row "bitwise_repeat" when repeats > 1).
