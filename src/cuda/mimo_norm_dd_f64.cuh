@@ -303,20 +303,27 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
                                          c * a.segsum.s[2] + i * a.segsum.s[3] +
                                          j * a.segsum.s[4]);
   };
-  for (int64_t ri0 = 0; ri0 < T; ri0 += TR) {
-    ndd_sync();  // (the step scalars; the previous tile's readers of sq, sx, sy, sg)
-    angle_table(a, q, ri0, TR, T, csi, sni);
+  // The rotated q (or k) rows and the x rows of the tile from row0 (zero past T), with the
+  // tile's angle table cs / sn filled first (barriers before and after it).
+  auto tile_rows = [&](int64_t row0, const View& v, const View& bias, double* cs, double* sn,
+                       double* dst, double* dx) {
+    ndd_sync();
+    angle_table(a, q, row0, TR, T, cs, sn);
     ndd_sync();
     for (int64_t e = tid; e < TR * a.N; e += kThreads) {
-      const int64_t rr = e / a.N, n = e % a.N, row = ri0 + rr;
-      sq[rr * ldn + n] =
-          row < T ? rotated(a, a.q, a.q_bias, q, row, n, csi + rr * a.A, sni + rr * a.A) : 0.0;
+      const int64_t rr = e / a.N, n = e % a.N, row = row0 + rr;
+      dst[rr * ldn + n] = row < T ? rotated(a, v, bias, q, row, n, cs + rr * a.A, sn + rr * a.A)
+                                  : 0.0;
     }
     for (int64_t e = tid; e < TR * P; e += kThreads) {
-      const int64_t rr = e / P, row = ri0 + rr;
-      sxi[e] = row < T ? x_of(a, q, row, e % P) : 0.0;
+      const int64_t rr = e / P, row = row0 + rr;
+      dx[e] = row < T ? x_of(a, q, row, e % P) : 0.0;
     }
     ndd_sync();
+  };
+  for (int64_t ri0 = 0; ri0 < T; ri0 += TR) {
+    // (its first barrier: the step scalars; the previous tile's readers of sq, sx, sy, sg)
+    tile_rows(ri0, a.q, a.q_bias, csi, sni, sq, sxi);
     double y[kMaxPer];
     for (int k = 0; k < kMaxPer; ++k) y[k] = 0.0;
     // inter-chunk: exp(da_cs_i) qh S_c (S_0 = 0)
@@ -338,19 +345,7 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
     const int64_t last_i = (ri0 + TR - 1 < T ? ri0 + TR - 1 : T - 1) / a.R;
     const int64_t rj_end = (last_i + 1) * a.R;
     for (int64_t rj0 = 0; rj0 < rj_end; rj0 += TR) {
-      ndd_sync();
-      angle_table(a, q, rj0, TR, T, csj, snj);
-      ndd_sync();
-      for (int64_t e = tid; e < TR * a.N; e += kThreads) {
-        const int64_t rr = e / a.N, n = e % a.N, row = rj0 + rr;
-        sk[rr * ldn + n] =
-            row < T ? rotated(a, a.k, a.k_bias, q, row, n, csj + rr * a.A, snj + rr * a.A) : 0.0;
-      }
-      for (int64_t e = tid; e < TR * P; e += kThreads) {
-        const int64_t rr = e / P, row = rj0 + rr;
-        sx[e] = row < T ? x_of(a, q, row, e % P) : 0.0;
-      }
-      ndd_sync();
+      tile_rows(rj0, a.k, a.k_bias, csj, snj, sk, sx);
       // coefficient of column row rj for row ri: tscale_j exp(segsum_ij) qh . kh (j < i),
       // gamma_i qh . kh (j = i: all rank pairs of the step), 0 after
       for (int e = tid; e < TR * TR; e += kThreads) {
