@@ -664,9 +664,9 @@ def main():
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--op", default="bwd_fwd",
-                    help="what to measure: bwd_fwd (default), bwd_bwd, combined, combined_norm (the "
-                         "combined backward with the fused norm), a comma-separated list of them, "
-                         "or all (the first three in one process)")
+                    help="what to measure: bwd_fwd (default), bwd_bwd, combined, combined_norm "
+                         "(the combined backward with the fused norm), a comma-separated list of "
+                         "them, or all (the first three in one process)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-upstream", action="store_true")
     ap.add_argument("--no-ref", dest="ref", action="store_false",

@@ -13,26 +13,32 @@ namespace {
 
 using ndd::kThreads;
 
-__global__ void __launch_bounds__(kThreads) ndd_increment_kernel(const __grid_constant__ ndd::Args a) {
+__global__ void __launch_bounds__(kThreads)
+    ndd_increment_kernel(const __grid_constant__ ndd::Args a) {
   extern __shared__ __align__(16) unsigned char ndd_inc_smem[];
   ndd::increment_body(a, ndd_inc_smem);
 }
-__global__ void __launch_bounds__(kThreads) ndd_scan_kernel(const __grid_constant__ ndd::Args a) {
+__global__ void __launch_bounds__(kThreads)
+    ndd_scan_kernel(const __grid_constant__ ndd::Args a) {
   ndd::scan_body(a);
 }
-__global__ void __launch_bounds__(kThreads) ndd_readout_kernel(const __grid_constant__ ndd::Args a) {
+__global__ void __launch_bounds__(kThreads)
+    ndd_readout_kernel(const __grid_constant__ ndd::Args a) {
   extern __shared__ __align__(16) unsigned char ndd_read_smem[];
   ndd::readout_body(a, ndd_read_smem);
 }
-__global__ void __launch_bounds__(kThreads) ndd_increment_fast_kernel(const __grid_constant__ ndd::Args a) {
+__global__ void __launch_bounds__(kThreads)
+    ndd_increment_fast_kernel(const __grid_constant__ ndd::Args a) {
   extern __shared__ __align__(16) unsigned char ndd_incf_smem[];
   ndd::increment_fast_body(a, ndd_incf_smem);
 }
-__global__ void __launch_bounds__(kThreads) ndd_readout_fast_kernel(const __grid_constant__ ndd::Args a) {
+__global__ void __launch_bounds__(kThreads)
+    ndd_readout_fast_kernel(const __grid_constant__ ndd::Args a) {
   extern __shared__ __align__(16) unsigned char ndd_readf_smem[];
   ndd::readout_fast_body(a, ndd_readf_smem);
 }
-__global__ void __launch_bounds__(kThreads) ndd_final_kernel(const __grid_constant__ ndd::Args a) {
+__global__ void __launch_bounds__(kThreads)
+    ndd_final_kernel(const __grid_constant__ ndd::Args a) {
   ndd::final_body(a);
 }
 
@@ -50,8 +56,11 @@ unsigned grid_of(int64_t n) {
   return static_cast<unsigned>(n);
 }
 
-}  // namespace
+// The chunk kernels' shared memory limit (the H100 / H200 opt-in maximum per block).
+constexpr size_t kNormDdMaxSmem = 227 * 1024;
 
+// The kernels' arguments over the first pass's params (has_norm, has_d) and a workspace of
+// norm_dd_f64_workspace_bytes (256-byte aligned in the combined backward's layout).
 ndd::Args norm_dd_f64_args(const MimoBwdFwdParams& f, void* workspace) {
   ndd::Args a;
   a.B = f.B, a.S = f.S, a.H = f.H, a.G = f.G, a.N = f.N, a.P = f.P, a.R = f.R, a.C = f.C;
@@ -69,6 +78,8 @@ ndd::Args norm_dd_f64_args(const MimoBwdFwdParams& f, void* workspace) {
   a.fast = ndd::fast_ok(a, kNormDdMaxSmem);
   return a;
 }
+
+}  // namespace
 
 size_t norm_dd_f64_workspace_bytes(const MimoBwdFwdParams& f) {
   return sizeof(double) * static_cast<size_t>(f.B * f.H * f.nchunks * (f.N * f.P + 1));

@@ -83,7 +83,9 @@ struct Args {
   int64_t dd_s = 1;
 };
 
-NDD_DEV double ldd(const View& v, int64_t off) { return static_cast<double>(rt_ld(v.p, off, v.dt)); }
+NDD_DEV double ldd(const View& v, int64_t off) {
+  return static_cast<double>(rt_ld(v.p, off, v.dt));
+}
 NDD_DEV double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 // n rows of the increment's slab (elements per thread <= kMaxPer) and the slab count.
@@ -132,8 +134,8 @@ NDD_DEV void step_scalars(const Args& a, const ChunkPos& q, double* gam, double*
   // The next step's (1 - lambda) dt half belongs to this step, also the step one past the
   // chunk's end (none past the sequence's last step).
   const bool next = t + 1 < a.S;
-  const double nxt = next ? ldd(a.dt, o3(a.dt, t + 1)) * (1.0 - sigmoid_d(ldd(a.trap, o3(a.trap, t + 1))))
-                          : 0.0;
+  const double nxt =
+      next ? ldd(a.dt, o3(a.dt, t + 1)) * (1.0 - sigmoid_d(ldd(a.trap, o3(a.trap, t + 1)))) : 0.0;
   tsc[i] = gam[i] + nxt;
   dacs[i] = ldd(a.da_cs, o3(a.da_cs, t));
 }
@@ -382,7 +384,8 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
         if (row < T) {
           y[k] += Dh * sxi[rr * P + p];
           const int64_t t = q.s0 + row / a.R, r = row % a.R;
-          const int64_t o = q.b * a.dout.s[0] + t * a.dout.s[1] + q.h * a.dout.s[2] + p * a.dout.s[3];
+          const int64_t o =
+              q.b * a.dout.s[0] + t * a.dout.s[1] + q.h * a.dout.s[2] + p * a.dout.s[3];
           const int64_t oz = q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] + p * a.z.s[3];
           const double u = ldd(a.z, oz) * ldd(a.mimo_z, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
                                                            p * a.mimo_z.s[2]);
@@ -674,7 +677,8 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
     for (int64_t n = 0; n < N; ++n) {
       double qv[4], kv[4];
       NDD_UNROLL
-      for (int i = 0; i < 4; ++i) qv[i] = qh[(il + i * nbt) * ldq + n], kv[i] = kh[(j0 + i) * ldq + n];
+      for (int i = 0; i < 4; ++i)
+        qv[i] = qh[(il + i * nbt) * ldq + n], kv[i] = kh[(j0 + i) * ldq + n];
       NDD_UNROLL
       for (int i = 0; i < 4; ++i)
         NDD_UNROLL

@@ -8,20 +8,12 @@
 
 #include "core/mimo_bwd_params.hpp"
 #include "core/tensor.hpp"
-#include "cuda/mimo_norm_dd_f64.cuh"
 
 namespace mamba3::cuda {
-
-// The chunk kernels' shared memory limit (the H100 / H200 opt-in maximum per block).
-constexpr size_t kNormDdMaxSmem = 227 * 1024;
 
 // Bytes of workspace norm_dd_f64 needs (the float64 states [B H][nch][N][P] and the chunk
 // partials [B H][nch]); a multiple of 8.
 size_t norm_dd_f64_workspace_bytes(const MimoBwdFwdParams& f);
-
-// The kernels' arguments over the first pass's params (has_norm, has_d) and a workspace of
-// norm_dd_f64_workspace_bytes (8-byte aligned).
-ndd::Args norm_dd_f64_args(const MimoBwdFwdParams& f, void* workspace);
 
 // dD [H] (summed over the batch) of the combined backward with the fused norm, in float64,
 // stored into `dd` (its dtype). Enqueued on `st`.

@@ -83,7 +83,8 @@ void run_case(const NddCase& c, bool fast, std::vector<float>& got, std::vector<
   a.dout = nview(view_of(in.dout)), a.z = nview(view_of(in.z));
   a.angles = nview(view_of(in.angles)), a.da_cs = nview(view_of(in.da_cs));
   a.da_cs_rev = nview(view_of(in.da_cs_rev)), a.dt = nview(view_of(in.dt));
-  a.trap = nview(view_of(in.trap)), a.segsum = nview(view_of(in.segsum)), a.d = nview(view_of(in.d));
+  a.trap = nview(view_of(in.trap)), a.segsum = nview(view_of(in.segsum));
+  a.d = nview(view_of(in.d));
   a.norm_weight = nview(view_of(in.nw));
   // NaN-filled workspace: a read before a write shows up in dD.
   std::vector<double> ws(B * H * nch * (N * P + 1), nan);
