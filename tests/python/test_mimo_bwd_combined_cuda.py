@@ -100,10 +100,11 @@ def test_custom_op_matches_eager_path():
     assert _equal(eager, got)
 
 
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("norm", [False, True])  # (with the norm: the float64 dD kernels too)
+def test_cuda_graph_capture_and_replay(norm):
     def inputs(seed):
-        return M.make_inputs(2, 70, 4, 2, 32, 32, 2, 16, z=True, d=True, act=BF16, device=DEV,
-                             seed=seed, nan_unread=False)
+        return M.make_inputs(2, 70, 4, 2, 32, 32, 2, 16, z=True, d=True, norm=norm, act=BF16,
+                             device=DEV, seed=seed, nan_unread=False)
     a, kw = M.combined_args(inputs(9))
     static = [t for t in a]
 
