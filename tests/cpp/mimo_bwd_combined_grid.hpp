@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include "mimo_bwd_fwd_grid.hpp"
@@ -33,6 +35,24 @@ inline std::vector<golden::MimoCombinedCase> norm_dd_draws() {
     v.push_back(c);
   }
   return v;
+}
+
+// Runs norm_dd_draws() on `dev`, each `repeats` times, every output against the golden; prints
+// the worst dd and returns each failing draw's first failure.
+inline std::vector<std::string> run_norm_dd_draws(golden::Device dev, int repeats) {
+  std::vector<std::string> fails;
+  double worst = 0, worst_ref = 0;
+  const std::vector<golden::MimoCombinedCase> draws = norm_dd_draws();
+  for (const golden::MimoCombinedCase& c : draws) {
+    const golden::CaseReport r = golden::run_mimo_bwd_combined_case(c, dev, repeats);
+    for (const golden::OutputReport& o : r.outputs)
+      if (o.name == "dd" && o.acc.rel_l2 > worst)
+        worst = o.acc.rel_l2, worst_ref = o.acc.ref_rel_l2;
+    if (!r.pass()) fails.push_back(r.first_failure());
+  }
+  std::printf("[ %zu of %zu norm cases pass; worst dd rel_l2 %.2e (its float32 reference %.2e) ]\n",
+              draws.size() - fails.size(), draws.size(), worst, worst_ref);
+  return fails;
 }
 
 }  // namespace mamba3::test::mimo_cb
