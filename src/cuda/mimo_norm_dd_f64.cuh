@@ -467,6 +467,14 @@ inline bool fast_ok(const Args& a, size_t limit) {
          fast_readout_smem(a) <= limit;
 }
 
+// acc[i][j] += a[i] b[j]: a 4 x 4 register tile's step (the whole-chunk kernels' products).
+NDD_DEV void outer4(double (&acc)[4][4], const double (&a)[4], const double (&b)[4]) {
+  NDD_UNROLL
+  for (int i = 0; i < 4; ++i)
+    NDD_UNROLL
+    for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+}
+
 // The chunk's rows into shared memory: qh (when given) and kh [T][ldq] (kh scaled by w[step]
 // when w is given), x [T][P]; rows past the sequence zero. Each (step, pair) turns by one
 // sincos for all ranks of q and k.
@@ -622,10 +630,7 @@ NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
       double kv[4], xv[4];
       NDD_UNROLL
       for (int i = 0; i < 4; ++i) kv[i] = kh[j * ldq + n0 + i], xv[i] = x[j * P + pl + i * nbp];
-      NDD_UNROLL
-      for (int i = 0; i < 4; ++i)
-        NDD_UNROLL
-        for (int jj = 0; jj < 4; ++jj) acc[u][i][jj] += kv[i] * xv[jj];
+      outer4(acc[u], kv, xv);
     }
   }
   double* U = a.states + (bh * a.nch + c) * a.N * P;
@@ -679,10 +684,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
       NDD_UNROLL
       for (int i = 0; i < 4; ++i)
         qv[i] = qh[(il + i * nbt) * ldq + n], kv[i] = kh[(j0 + i) * ldq + n];
-      NDD_UNROLL
-      for (int i = 0; i < 4; ++i)
-        NDD_UNROLL
-        for (int j = 0; j < 4; ++j) s[i][j] += qv[i] * kv[j];
+      outer4(s, qv, kv);
     }
     NDD_UNROLL
     for (int i = 0; i < 4; ++i)
@@ -741,10 +743,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
           NDD_UNROLL
           for (int i = 0; i < 4; ++i)
             qv[i] = qh[(t0 + i) * ldq + n0 + n], sv[i] = st[n * P + pl + i * nbp];
-          NDD_UNROLL
-          for (int i = 0; i < 4; ++i)
-            NDD_UNROLL
-            for (int j = 0; j < 4; ++j) y[u][i][j] += qv[i] * sv[j];
+          outer4(y[u], qv, sv);
         }
       }
     }
@@ -771,10 +770,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
       double av[4], xv[4];
       NDD_UNROLL
       for (int i = 0; i < 4; ++i) av[i] = A[(t0 + i) * lda + j], xv[i] = x[j * P + pl + i * nbp];
-      NDD_UNROLL
-      for (int i = 0; i < 4; ++i)
-        NDD_UNROLL
-        for (int jj = 0; jj < 4; ++jj) y[u][i][jj] += av[i] * xv[jj];
+      outer4(y[u], av, xv);
     }
     NDD_UNROLL
     for (int i = 0; i < 4; ++i)
