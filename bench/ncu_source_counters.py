@@ -169,6 +169,7 @@ def read_report(path):
     i += 4 + hl
     sources = []  # (module_id, raw message)
     results = []  # (string table, raw message)
+    strings = []
     while i + 4 <= len(b):
         hl = struct.unpack_from("<I", b, i)[0]
         i += 4
@@ -178,7 +179,8 @@ def read_report(path):
         for f, wt, v in hdr:
             h.setdefault(f, v)
         nsrc, nres, psize = h.get(1, 0), h.get(2, 0), h.get(5, 0)
-        strings = []
+        # A block without a string table uses the last one given (ncu writes the table once
+        # when several kernels' results share it: session 43's two-kernel reports).
         if 4 in h and h[4]:
             strings = [v.decode("utf-8", "replace") for v in pb_fields(h[4], 1)]
         j = i
