@@ -99,8 +99,7 @@ void norm_dd_f64(const MimoBwdFwdParams& f, void* workspace, const TensorView& d
     set_smem(reinterpret_cast<const void*>(&ndd_readout_fast_kernel), f.device_id, rd_smem,
              "mimo_bwd_combined: float64 dD readout kernel smem");
     if (f.nchunks > 1) {
-      ndd_increment_fast_kernel<<<grid_of(BH * (f.nchunks - 1) * ndd::fast_slabs(a)), kThreads,
-                                  inc_smem, st>>>(a);
+      ndd_increment_fast_kernel<<<grid_of(BH * (f.nchunks - 1)), kThreads, inc_smem, st>>>(a);
       check_launch("mimo_bwd_combined: float64 dD increment kernel");
     }
     ndd_scan_kernel<<<grid_of(BH * ((f.N * f.P + kThreads - 1) / kThreads)), kThreads, 0, st>>>(a);

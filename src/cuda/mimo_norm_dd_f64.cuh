@@ -426,60 +426,70 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
 
 // ------------------------------------------------------------------ whole-chunk kernels
 //
-// Where a chunk's rows fit in shared memory (N, P multiples of 4; the bench grid's shapes), the
-// increment and the readout build the chunk's qh, kh and x once and run their products as
-// register-blocked 4 x 4 tiles (16 FMA per 8 shared loads), the states staged through shared
-// memory in blocks of n rows: the generic bodies above re-read q / k per tile pair and S_c from
-// L2 per row group, and took 24 ms for the readout at N128 P64 R4 C16 B4 S2048 H16 (H100).
-// The same formulas; sums in another fixed order (float64 both). A thread's four columns are P / 4
-// apart, so that a warp's lanes read consecutive doubles (four consecutive columns per thread
-// put 16 lanes on 4 bank pairs).
+// Where a chunk's rows fit in shared memory (N, P multiples of 8; the bench grid's shapes), the
+// increment and the readout build the chunk's qh, kh and x once and run their products on the
+// float64 tensor cores (mma m8n8k4: a warp's 8 x 8 tile, one double of A and of B per lane), the
+// states staged through shared memory in blocks of n rows. The generic bodies above re-read
+// q / k per tile pair and S_c from L2 per row group (24 ms for the readout at N128 P64 R4 C16
+// B4 S2048 H16, H100); 4 x 4 FMA register tiles took 4.6 ms there, issue-bound (session 42).
+// The same formulas; sums in another fixed order (float64 both).
+//
+// Row strides (doubles) for the fragments' loads, two wavefronts per warp load: A-layout reads
+// (8 rows g, 4 columns q) want a stride of 8 words mod 32 (ldq = N + 4, lda = T + 4 with N, T
+// multiples of 16); B-layout reads (4 rows q, 8 columns g) 16 words mod 32 (ldx = P + 8,
+// ldk = N + 8).
 
-constexpr int kYBlocks = 2;  // 4 x 4 output blocks per thread (readout's Y, increment's U)
-constexpr int kStageDoubles = 2048;  // the readout's S_c stage (n rows x P)
-
-NDD_HD int64_t fast_ldq(const Args& a) { return a.N + 1; }  // qh / kh rows (odd: bank spread)
-NDD_HD int64_t fast_T(const Args& a) { return a.C * a.R; }
-NDD_HD int64_t stage_rows(const Args& a) {
-  const int64_t r = kStageDoubles / a.P;
-  return r < a.N ? r : a.N;
+#if defined(__CUDACC__)
+// d += A B for the warp's 8 x 8 tile: a = A[lane / 4][lane % 4], b = B[lane % 4][lane / 4],
+// d = D[lane / 4][2 (lane % 4) + {0, 1}].
+NDD_DEV void ndd_dmma884(double (&d)[2], double a, double b) {
+  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
+               : "+d"(d[0]), "+d"(d[1])
+               : "d"(a), "d"(b));
 }
-// U's 4 x 4 blocks per increment CTA, and the CTAs (slabs) per chunk.
-NDD_HD int64_t fast_slabs(const Args& a) {
-  const int64_t blocks = (a.N / 4) * (a.P / 4), per = int64_t{kThreads} * kYBlocks;
-  return (blocks + per - 1) / per;
+#else
+void ndd_dmma884(double (&d)[2], double a, double b);  // the host emulator's
+#endif
+
+constexpr int kWarps = kThreads / 32;
+constexpr int kColTiles = 8;      // 8 x 8 tiles per warp strip (64 columns)
+constexpr int kYStrips = 2;       // the readout's Y strips per warp, at most
+constexpr int kStageDoubles = 2048;  // the readout's S_c stage (n rows x ldx)
+
+NDD_HD int64_t fast_ldq(const Args& a) { return a.N + 4; }
+NDD_HD int64_t fast_ldk(const Args& a) { return a.N + 8; }
+NDD_HD int64_t fast_ldx(const Args& a) { return a.P + 8; }
+NDD_HD int64_t fast_T(const Args& a) { return a.C * a.R; }
+NDD_HD int64_t fast_lda(const Args& a) { return fast_T(a) + 4; }
+NDD_HD int64_t col_chunks(const Args& a) { return (a.P + 8 * kColTiles - 1) / (8 * kColTiles); }
+NDD_HD int64_t stage_rows(const Args& a) {
+  const int64_t r = (kStageDoubles / fast_ldx(a)) / 4 * 4;
+  return r < a.N ? r : a.N;
 }
 inline size_t fast_increment_smem(const Args& a) {
   const int64_t T = fast_T(a);
-  return sizeof(double) * static_cast<size_t>(a.C + T * fast_ldq(a) + T * a.P);
+  return sizeof(double) * static_cast<size_t>(3 * a.C + T * fast_ldk(a) + T * fast_ldx(a));
 }
 inline size_t fast_readout_smem(const Args& a) {
   const int64_t T = fast_T(a);
-  return sizeof(double) * static_cast<size_t>(3 * a.C + 2 * T * fast_ldq(a) + T * a.P +
-                                              T * (T + 2) + stage_rows(a) * a.P);
+  return sizeof(double) * static_cast<size_t>(3 * a.C + 2 * T * fast_ldq(a) + T * fast_lda(a) +
+                                              T * fast_ldx(a) + stage_rows(a) * fast_ldx(a));
 }
 // Whether the whole-chunk kernels take this shape (`limit`: shared memory per block).
 inline bool fast_ok(const Args& a, size_t limit) {
   const int64_t T = fast_T(a);
-  return a.N % 4 == 0 && a.P % 4 == 0 && (T / 4) * (a.P / 4) <= int64_t{kThreads} * kYBlocks &&
-         // the row terms' partials [T][P / 4][4] go over qh, kh and the coefficients
-         2 * T * fast_ldq(a) + T * (T + 2) >= T * a.P && fast_increment_smem(a) <= limit &&
-         fast_readout_smem(a) <= limit;
-}
-
-// acc[i][j] += a[i] b[j]: a 4 x 4 register tile's step (the whole-chunk kernels' products).
-NDD_DEV void outer4(double (&acc)[4][4], const double (&a)[4], const double (&b)[4]) {
-  NDD_UNROLL
-  for (int i = 0; i < 4; ++i)
-    NDD_UNROLL
-    for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+  return a.N % 8 == 0 && a.P % 8 == 0 && T % 8 == 0 && stage_rows(a) >= 4 &&
+         (T / 8) * col_chunks(a) <= int64_t{kWarps} * kYStrips &&
+         // the row terms' partials [T][4 col_chunks][4] go over qh, kh and the coefficients
+         2 * T * fast_ldq(a) + T * fast_lda(a) >= T * 16 * col_chunks(a) &&
+         fast_increment_smem(a) <= limit && fast_readout_smem(a) <= limit;
 }
 
 // The chunk's rows into shared memory: qh (when given) and kh [T][ldq] (kh scaled by w[step]
-// when w is given), x [T][P]; rows past the sequence zero. Each (step, pair) turns by one
+// when w is given), x [T][ldx]; rows past the sequence zero. Each (step, pair) turns by one
 // sincos for all ranks of q and k.
 NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* kh, int64_t ldq,
-                         double* x, const double* w) {
+                         double* x, int64_t ldx, const double* w) {
   // (Loads as raw bits first, converted after: a run of them waits one memory latency, not one
   // per element, as rt_ld's dtype branches made it.)
   const int tid = ndd_tid();
@@ -575,7 +585,7 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
       NDD_UNROLL
       for (int v = 0; v < kB; ++v) {
         const int row = row0 + v * kTY;
-        if (row < Ti) x[row * Pi + p] = live[v] ? val(a.v, uv[v]) * val(a.mimo_v, um[v]) : 0.0;
+        if (row < Ti) x[row * ldx + p] = live[v] ? val(a.v, uv[v]) * val(a.mimo_v, um[v]) : 0.0;
       }
     }
   }
@@ -587,73 +597,61 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
   }
 }
 
-// Grid: B H (nch - 1) fast_slabs. Thread block u of this slab's U blocks: rows n0 .. n0 + 3,
-// columns pl + jj P / 4 (a warp's lanes on consecutive columns: conflict-free x loads).
+// Grid: B H (nch - 1). U = kh^T diag(w) x [N][P] in warp strips (8 rows of n x up to 64
+// columns), each lane's k over the chunk's rows in order.
 NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
-  const int64_t nsl = fast_slabs(a), bid = ndd_bid(), slab = bid % nsl, bc = bid / nsl;
-  const int64_t c = bc % (a.nch - 1), bh = bc / (a.nch - 1);
+  const int64_t bid = ndd_bid(), c = bid % (a.nch - 1), bh = bid / (a.nch - 1);
   const ChunkPos q = chunk_pos(a, bh, c);  // a whole chunk
-  const int64_t T = fast_T(a), ldq = fast_ldq(a), P = a.P, nbp = P / 4, nblk = (a.N / 4) * nbp;
+  const int64_t T = fast_T(a), ldk = fast_ldk(a), ldx = fast_ldx(a), P = a.P;
   double* sm = reinterpret_cast<double*>(smem);
-  double* w = sm;             // [C] tscale_j exp(da_cs_rev_j)
-  double* kh = w + a.C;       // [T][ldq] kh w
-  double* x = kh + T * ldq;   // [T][P]
-  const int tid = ndd_tid();
-  {
-    double* gam = x;  // (scratch: x is built after the barrier below)
-    double* dacs = x + a.C;
-    step_scalars(a, q, gam, w, dacs);
-    if (tid < q.L) {
-      const int64_t t = q.s0 + tid;
-      w[tid] *= exp(ldd(a.da_cs_rev, q.b * a.da_cs_rev.s[0] + q.h * a.da_cs_rev.s[1] +
-                                         t * a.da_cs_rev.s[2]));
-    }
+  double* w = sm;              // [C] tscale_j exp(da_cs_rev_j)
+  double* gam = w + a.C;       // [C] (step_scalars' other outputs, unused here)
+  double* dacs = gam + a.C;    // [C]
+  double* kh = dacs + a.C;     // [T][ldk] kh w
+  double* x = kh + T * ldk;    // [T][ldx]
+  const int tid = ndd_tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, qq = lane % 4;
+  step_scalars(a, q, gam, w, dacs);
+  if (tid < q.L) {  // (the thread's own step)
+    const int64_t t = q.s0 + tid;
+    w[tid] *= exp(ldd(a.da_cs_rev, q.b * a.da_cs_rev.s[0] + q.h * a.da_cs_rev.s[1] +
+                                       t * a.da_cs_rev.s[2]));
   }
   ndd_sync();
-  build_chunk(a, q, nullptr, kh, ldq, x, w);
+  build_chunk(a, q, nullptr, kh, ldk, x, ldx, w);
   ndd_sync();
-  double acc[kYBlocks][4][4];
-  int64_t blk[kYBlocks];
-  NDD_UNROLL
-  for (int u = 0; u < kYBlocks; ++u) {
-    blk[u] = (slab * kYBlocks + u) * int64_t{kThreads} + tid;
-    NDD_UNROLL
-    for (int i = 0; i < 4; ++i)
-      NDD_UNROLL
-      for (int j = 0; j < 4; ++j) acc[u][i][j] = 0.0;
-  }
-  NDD_UNROLL
-  for (int u = 0; u < kYBlocks; ++u) {
-    if (blk[u] >= nblk) continue;
-    const int64_t n0 = (blk[u] / nbp) * 4, pl = blk[u] % nbp;
-    for (int64_t j = 0; j < T; ++j) {
-      double kv[4], xv[4];
-      NDD_UNROLL
-      for (int i = 0; i < 4; ++i) kv[i] = kh[j * ldq + n0 + i], xv[i] = x[j * P + pl + i * nbp];
-      outer4(acc[u], kv, xv);
-    }
-  }
   double* U = a.states + (bh * a.nch + c) * a.N * P;
-  NDD_UNROLL
-  for (int u = 0; u < kYBlocks; ++u) {
-    if (blk[u] >= nblk) continue;
-    const int64_t n0 = (blk[u] / nbp) * 4, pl = blk[u] % nbp;
+  const int64_t ncc = col_chunks(a), nstrips = (a.N / 8) * ncc;
+  for (int64_t sidx = warp; sidx < nstrips; sidx += kWarps) {
+    const int64_t n0 = (sidx / ncc) * 8, c0 = (sidx % ncc) * 8 * kColTiles;
+    const int nct = static_cast<int>((P - c0) / 8 < kColTiles ? (P - c0) / 8 : kColTiles);
+    double acc[kColTiles][2];
     NDD_UNROLL
-    for (int i = 0; i < 4; ++i)
+    for (int ct = 0; ct < kColTiles; ++ct) acc[ct][0] = acc[ct][1] = 0.0;
+    for (int64_t j0 = 0; j0 < T; j0 += 4) {
+      const double av = kh[(j0 + qq) * ldk + n0 + g];  // A[n][j] = kh[j][n]
       NDD_UNROLL
-      for (int jj = 0; jj < 4; ++jj) U[(n0 + i) * P + pl + jj * nbp] = acc[u][i][jj];
+      for (int ct = 0; ct < kColTiles; ++ct)
+        if (ct < nct) ndd_dmma884(acc[ct], av, x[(j0 + qq) * ldx + c0 + 8 * ct + g]);
+    }
+    NDD_UNROLL
+    for (int ct = 0; ct < kColTiles; ++ct)
+      if (ct < nct) {
+        double* u = U + (n0 + g) * P + c0 + 8 * ct + 2 * qq;
+        u[0] = acc[ct][0], u[1] = acc[ct][1];
+      }
   }
 }
 
-// Grid: B H nch. The chunk's coefficient matrix A (T x T, 4 x 4 blocks on or below the diagonal
-// step blocks), then Y = exp(da_cs) qh S_c + A x + D x in 4 x 4 blocks (S_c staged by n rows),
-// then the row terms from per-block partial sums.
+// Grid: B H nch. The chunk's coefficient matrix A (T x T: row tiles by warp, column tiles up to
+// the row tile's last step), then Y = exp(da_cs) qh S_c + A x + D x in warp strips (8 rows x up
+// to 64 columns; S_c staged by n rows), then the row terms from per-lane partial sums.
 NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   const int64_t bid = ndd_bid(), c = bid % a.nch, bh = bid / a.nch;
   const ChunkPos q = chunk_pos(a, bh, c);
-  const int64_t T = fast_T(a), ldq = fast_ldq(a), P = a.P, N = a.N, R = a.R, lda = T + 2;
-  const int64_t TL = q.L * R, nbt = T / 4, nbp = P / 4, ns = stage_rows(a);
-  const int Ri = static_cast<int>(R);  // (32-bit divisions by R in the per-element code)
+  const int64_t T = fast_T(a), ldq = fast_ldq(a), lda = fast_lda(a), ldx = fast_ldx(a);
+  const int64_t P = a.P, N = a.N, R = a.R, TL = q.L * R, ns = stage_rows(a);
+  const int64_t ncc = col_chunks(a), npart = 4 * ncc;  // row-term partials per row
+  const int Ri = static_cast<int>(R);
   double* sm = reinterpret_cast<double*>(smem);
   double* gam = sm;              // [C]
   double* tsc = gam + a.C;       // [C]
@@ -661,68 +659,73 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   double* qh = dacs + a.C;       // [T][ldq]
   double* kh = qh + T * ldq;     // [T][ldq]
   double* A = kh + T * ldq;      // [T][lda]
-  double* x = A + T * lda;       // [T][P]
-  double* st = x + T * P;        // [ns][P] a stage of S_c
-  double* part = qh;             // [T][nbp][4] (after Y: over qh, kh and A)
-  const int tid = ndd_tid();
+  double* x = A + T * lda;       // [T][ldx]
+  double* st = x + T * ldx;      // [ns][ldx] a stage of S_c
+  double* part = qh;             // [T][npart][4] (after Y: over qh, kh and A)
+  const int tid = ndd_tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, qq = lane % 4;
   step_scalars(a, q, gam, tsc, dacs);
-  build_chunk(a, q, qh, kh, ldq, x, nullptr);
+  build_chunk(a, q, qh, kh, ldq, x, ldx, nullptr);
   ndd_sync();
-  // A[ti][tj] = qh_i . kh_j times tscale_j exp(segsum_ij) (step j < step i), gamma_i (same
-  // step), 0 (later step)
-  for (int64_t b = tid; b < nbt * nbt; b += kThreads) {
-    // rows il + i nbt (a half-warp's lanes on consecutive rows: qh rows ldq = N + 1 apart hit
-    // distinct banks), columns j0 .. j0 + 3 (the same for the half-warp: broadcast)
-    const int64_t il = b % nbt, j0 = (b / nbt) * 4;
-    double s[4][4];
-    NDD_UNROLL
-    for (int i = 0; i < 4; ++i)
+  // A[i][j] = qh_i . kh_j times tscale_j exp(segsum_ij) (step j < step i), gamma_i (same
+  // step), 0 (later step): row tile rt by warp, column tiles up to row 8 rt + 7's last rank.
+  for (int64_t rt = warp; rt < T / 8; rt += kWarps) {
+    const int64_t r0 = rt * 8;
+    const int64_t cend = (static_cast<int>(r0 + 7) / Ri + 1) * R;  // columns < cend
+    for (int64_t c0 = 0; c0 < T; c0 += 8 * kColTiles) {
+      double acc[kColTiles][2];
       NDD_UNROLL
-      for (int j = 0; j < 4; ++j) s[i][j] = 0.0;
-    for (int64_t n = 0; n < N; ++n) {
-      double qv[4], kv[4];
-      NDD_UNROLL
-      for (int i = 0; i < 4; ++i)
-        qv[i] = qh[(il + i * nbt) * ldq + n], kv[i] = kh[(j0 + i) * ldq + n];
-      outer4(s, qv, kv);
-    }
-    NDD_UNROLL
-    for (int i = 0; i < 4; ++i)
-      NDD_UNROLL
-      for (int j = 0; j < 4; ++j) {
-        const int64_t ri = il + i * nbt, rj = j0 + j;
-        double v = 0.0;
-        if (ri < TL && rj < TL) {
-          const int si = static_cast<int>(ri) / Ri, sj = static_cast<int>(rj) / Ri;
-          if (sj < si) {
-            const double sg = q.partial ? dacs[si] - dacs[sj]
-                                        : ldd(a.segsum, q.b * a.segsum.s[0] + q.h * a.segsum.s[1] +
-                                                            c * a.segsum.s[2] + si * a.segsum.s[3] +
-                                                            sj * a.segsum.s[4]);
-            v = tsc[sj] * exp(sg) * s[i][j];
-          } else if (sj == si) {
-            v = gam[si] * s[i][j];
-          }
+      for (int ct = 0; ct < kColTiles; ++ct) acc[ct][0] = acc[ct][1] = 0.0;
+      if (c0 < cend) {
+        for (int64_t k0 = 0; k0 < N; k0 += 4) {
+          const double av = qh[(r0 + g) * ldq + k0 + qq];
+          NDD_UNROLL
+          for (int ct = 0; ct < kColTiles; ++ct)
+            if (c0 + 8 * ct < cend && c0 + 8 * ct < T)
+              ndd_dmma884(acc[ct], av, kh[(c0 + 8 * ct + g) * ldq + k0 + qq]);
         }
-        A[ri * lda + rj] = v;
       }
-  }
-  // Y blocks: thread tid owns blocks tid + u kThreads: rows t0 .. t0 + 3, columns pl + jj P / 4
-  double y[kYBlocks][4][4];
-  int64_t blk[kYBlocks];
-  const int64_t nblk = nbt * nbp;
-  NDD_UNROLL
-  for (int u = 0; u < kYBlocks; ++u) {
-    blk[u] = u * int64_t{kThreads} + tid;
-    NDD_UNROLL
-    for (int i = 0; i < 4; ++i)
       NDD_UNROLL
-      for (int j = 0; j < 4; ++j) y[u][i][j] = 0.0;
+      for (int ct = 0; ct < kColTiles; ++ct) {
+        if (c0 + 8 * ct >= T) continue;
+        NDD_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const int64_t ri = r0 + g, rj = c0 + 8 * ct + 2 * qq + e;
+          double v = 0.0;
+          if (ri < TL && rj < TL) {
+            const int si = static_cast<int>(ri) / Ri, sj = static_cast<int>(rj) / Ri;
+            if (sj < si) {
+              const double sg =
+                  q.partial ? dacs[si] - dacs[sj]
+                            : ldd(a.segsum, q.b * a.segsum.s[0] + q.h * a.segsum.s[1] +
+                                                c * a.segsum.s[2] + si * a.segsum.s[3] +
+                                                sj * a.segsum.s[4]);
+              v = tsc[sj] * exp(sg) * acc[ct][e];
+            } else if (sj == si) {
+              v = gam[si] * acc[ct][e];
+            }
+          }
+          A[ri * lda + rj] = v;
+        }
+      }
+    }
   }
+  // Y strips: this warp's strips warp + u kWarps: row tile sidx / ncc, columns from 64 (sidx % ncc)
+  const int64_t nstrips = (T / 8) * ncc;
+  double y[kYStrips][kColTiles][2];
+  NDD_UNROLL
+  for (int u = 0; u < kYStrips; ++u)
+    NDD_UNROLL
+    for (int ct = 0; ct < kColTiles; ++ct) y[u][ct][0] = y[u][ct][1] = 0.0;
+  auto strip = [&](int u, int64_t& r0, int64_t& c0, int& nct) {
+    const int64_t sidx = warp + int64_t{u} * kWarps;
+    r0 = (sidx / ncc) * 8, c0 = (sidx % ncc) * 8 * kColTiles;
+    nct = static_cast<int>((P - c0) / 8 < kColTiles ? (P - c0) / 8 : kColTiles);
+    return sidx < nstrips;
+  };
   if (c > 0) {  // S_0 = 0
     const double* St = a.states + (bh * a.nch + c) * N * P;
     for (int64_t n0 = 0; n0 < N; n0 += ns) {
-      const int64_t nn = N - n0 < ns ? N - n0 : ns;
+      const int64_t nn = N - n0 < ns ? N - n0 : ns;  // (a multiple of 4: N and ns are)
       ndd_sync();  // (the previous stage's readers)
       for (int64_t e0 = tid; e0 < nn * P; e0 += 4 * kThreads) {  // (loads first)
         double v[4];
@@ -730,109 +733,115 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
         for (int u = 0; u < 4; ++u)
           v[u] = e0 + u * kThreads < nn * P ? St[n0 * P + e0 + u * kThreads] : 0.0;
         NDD_UNROLL
-        for (int u = 0; u < 4; ++u)
-          if (e0 + u * kThreads < nn * P) st[e0 + u * kThreads] = v[u];
+        for (int u = 0; u < 4; ++u) {
+          const int64_t e = e0 + u * kThreads;
+          if (e < nn * P) st[(e / P) * ldx + e % P] = v[u];
+        }
       }
       ndd_sync();
       NDD_UNROLL
-      for (int u = 0; u < kYBlocks; ++u) {
-        if (blk[u] >= nblk) continue;
-        const int64_t t0 = (blk[u] / nbp) * 4, pl = blk[u] % nbp;
-        for (int64_t n = 0; n < nn; ++n) {
-          double qv[4], sv[4];
+      for (int u = 0; u < kYStrips; ++u) {
+        int64_t r0, c0;
+        int nct;
+        if (!strip(u, r0, c0, nct)) continue;
+        for (int64_t k0 = 0; k0 < nn; k0 += 4) {
+          const double av = qh[(r0 + g) * ldq + n0 + k0 + qq];
           NDD_UNROLL
-          for (int i = 0; i < 4; ++i)
-            qv[i] = qh[(t0 + i) * ldq + n0 + n], sv[i] = st[n * P + pl + i * nbp];
-          outer4(y[u], qv, sv);
+          for (int ct = 0; ct < kColTiles; ++ct)
+            if (ct < nct) ndd_dmma884(y[u][ct], av, st[(k0 + qq) * ldx + c0 + 8 * ct + g]);
         }
       }
     }
     NDD_UNROLL
-    for (int u = 0; u < kYBlocks; ++u) {
-      if (blk[u] >= nblk) continue;
-      const int64_t t0 = (blk[u] / nbp) * 4;
+    for (int u = 0; u < kYStrips; ++u) {
+      int64_t r0, c0;
+      int nct;
+      if (!strip(u, r0, c0, nct)) continue;
+      const int64_t row = r0 + g;
+      const double e = row < TL ? exp(dacs[static_cast<int>(row) / Ri]) : 0.0;
       NDD_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const double e = t0 + i < TL ? exp(dacs[static_cast<int>(t0 + i) / Ri]) : 0.0;
-        NDD_UNROLL
-        for (int j = 0; j < 4; ++j) y[u][i][j] *= e;
-      }
+      for (int ct = 0; ct < kColTiles; ++ct) y[u][ct][0] *= e, y[u][ct][1] *= e;
     }
   }
   ndd_sync();  // A complete
   const double Dh = ldd(a.d, q.h * a.d.s[0]);
   NDD_UNROLL
-  for (int u = 0; u < kYBlocks; ++u) {
-    if (blk[u] >= nblk) continue;
-    const int64_t t0 = (blk[u] / nbp) * 4, pl = blk[u] % nbp;
-    const int64_t jend = (static_cast<int>(t0 + 3) / Ri + 1) * R;  // (row t0 + 3's last rank)
-    for (int64_t j = 0; j < (jend < T ? jend : T); ++j) {
-      double av[4], xv[4];
+  for (int u = 0; u < kYStrips; ++u) {
+    int64_t r0, c0;
+    int nct;
+    if (!strip(u, r0, c0, nct)) continue;
+    const int64_t cend = (static_cast<int>(r0 + 7) / Ri + 1) * R;  // A's columns < cend
+    for (int64_t j0 = 0; j0 < (cend < T ? cend : T); j0 += 4) {
+      const double av = A[(r0 + g) * lda + j0 + qq];
       NDD_UNROLL
-      for (int i = 0; i < 4; ++i) av[i] = A[(t0 + i) * lda + j], xv[i] = x[j * P + pl + i * nbp];
-      outer4(y[u], av, xv);
+      for (int ct = 0; ct < kColTiles; ++ct)
+        if (ct < nct) ndd_dmma884(y[u][ct], av, x[(j0 + qq) * ldx + c0 + 8 * ct + g]);
     }
     NDD_UNROLL
-    for (int i = 0; i < 4; ++i)
-      NDD_UNROLL
-      for (int jj = 0; jj < 4; ++jj) y[u][i][jj] += Dh * x[(t0 + i) * P + pl + jj * nbp];
+    for (int ct = 0; ct < kColTiles; ++ct)
+      if (ct < nct) {
+        const double* xr = x + (r0 + g) * ldx + c0 + 8 * ct + 2 * qq;
+        y[u][ct][0] += Dh * xr[0], y[u][ct][1] += Dh * xr[1];
+      }
   }
   ndd_sync();  // qh, kh and A are dead: the partials go over them
   NDD_UNROLL
-  for (int u = 0; u < kYBlocks; ++u) {
-    if (blk[u] >= nblk) continue;
-    const int64_t t0 = (blk[u] / nbp) * 4, bp = blk[u] % nbp;  // columns bp + jj nbp
-    NDD_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const int64_t row = t0 + i;
-      double yy = 0, yx = 0, gy = 0, gx = 0;
-      if (row < TL) {
-        const int ii = static_cast<int>(row) / Ri;
-        const int64_t t = q.s0 + ii, r = row - int64_t{ii} * R;
-        uint32_t u5[4][5];  // (raw loads first: one latency for the row's 20)
+  for (int u = 0; u < kYStrips; ++u) {
+    int64_t r0, c0;
+    int nct;
+    if (!strip(u, r0, c0, nct)) continue;
+    const int64_t row = r0 + g;
+    double yy = 0, yx = 0, gy = 0, gx = 0;
+    if (row < TL) {
+      const int ii = static_cast<int>(row) / Ri;
+      const int64_t t = q.s0 + ii, r = row - int64_t{ii} * R;
+      NDD_UNROLL
+      for (int ct = 0; ct < kColTiles; ++ct) {
+        if (ct >= nct) continue;
+        uint32_t u5[2][5];  // (raw loads first)
         NDD_UNROLL
-        for (int jj = 0; jj < 4; ++jj) {
-          const int64_t p = bp + jj * nbp;
-          u5[jj][0] = rt_ld_raw(a.z.p, q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] +
-                                           p * a.z.s[3], a.z.dt);
-          u5[jj][1] = rt_ld_raw(a.mimo_z.p, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
-                                                p * a.mimo_z.s[2], a.mimo_z.dt);
-          u5[jj][2] = rt_ld_raw(a.dout.p, q.b * a.dout.s[0] + t * a.dout.s[1] +
-                                              q.h * a.dout.s[2] + p * a.dout.s[3], a.dout.dt);
-          u5[jj][3] = rt_ld_raw(a.mimo_o.p, q.h * a.mimo_o.s[0] + r * a.mimo_o.s[1] +
-                                                p * a.mimo_o.s[2], a.mimo_o.dt);
-          u5[jj][4] = rt_ld_raw(a.norm_weight.p, q.h * a.norm_weight.s[0] +
-                                                     p * a.norm_weight.s[1], a.norm_weight.dt);
+        for (int e = 0; e < 2; ++e) {
+          const int64_t p = c0 + 8 * ct + 2 * qq + e;
+          u5[e][0] = rt_ld_raw(a.z.p, q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] +
+                                          p * a.z.s[3], a.z.dt);
+          u5[e][1] = rt_ld_raw(a.mimo_z.p, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
+                                               p * a.mimo_z.s[2], a.mimo_z.dt);
+          u5[e][2] = rt_ld_raw(a.dout.p, q.b * a.dout.s[0] + t * a.dout.s[1] +
+                                             q.h * a.dout.s[2] + p * a.dout.s[3], a.dout.dt);
+          u5[e][3] = rt_ld_raw(a.mimo_o.p, q.h * a.mimo_o.s[0] + r * a.mimo_o.s[1] +
+                                               p * a.mimo_o.s[2], a.mimo_o.dt);
+          u5[e][4] = rt_ld_raw(a.norm_weight.p, q.h * a.norm_weight.s[0] +
+                                                    p * a.norm_weight.s[1], a.norm_weight.dt);
         }
         NDD_UNROLL
-        for (int jj = 0; jj < 4; ++jj) {
-          const double zu = double{rt_raw_f(u5[jj][0], a.z.dt)} *
-                            double{rt_raw_f(u5[jj][1], a.mimo_z.dt)};
-          const double g = double{rt_raw_f(u5[jj][2], a.dout.dt)} *
-                           double{rt_raw_f(u5[jj][3], a.mimo_o.dt)} * zu * sigmoid_d(zu) *
-                           double{rt_raw_f(u5[jj][4], a.norm_weight.dt)};
-          const double yv = y[u][i][jj], xv = x[row * P + bp + jj * nbp];
-          yy += yv * yv, yx += yv * xv, gy += g * yv, gx += g * xv;
+        for (int e = 0; e < 2; ++e) {
+          const double zu = double{rt_raw_f(u5[e][0], a.z.dt)} *
+                            double{rt_raw_f(u5[e][1], a.mimo_z.dt)};
+          const double gv = double{rt_raw_f(u5[e][2], a.dout.dt)} *
+                            double{rt_raw_f(u5[e][3], a.mimo_o.dt)} * zu * sigmoid_d(zu) *
+                            double{rt_raw_f(u5[e][4], a.norm_weight.dt)};
+          const double yv = y[u][ct][e], xv = x[row * ldx + c0 + 8 * ct + 2 * qq + e];
+          yy += yv * yv, yx += yv * xv, gy += gv * yv, gx += gv * xv;
         }
       }
-      double* pp = part + (row * nbp + bp) * 4;
-      pp[0] = yy, pp[1] = yx, pp[2] = gy, pp[3] = gx;
     }
+    double* pp = part + (row * npart + (c0 / (8 * kColTiles)) * 4 + qq) * 4;
+    pp[0] = yy, pp[1] = yx, pp[2] = gy, pp[3] = gx;
   }
   ndd_sync();
   if (tid < TL) {  // one thread per row: its partials in column order, then its term
     double yy = 0, yx = 0, gy = 0, gx = 0;
-    for (int64_t bp = 0; bp < nbp; ++bp) {
-      const double* pp = part + (tid * nbp + bp) * 4;
+    for (int64_t k = 0; k < npart; ++k) {
+      const double* pp = part + (tid * npart + k) * 4;
       yy += pp[0], yx += pp[1], gy += pp[2], gx += pp[3];
     }
     const double rs = 1.0 / sqrt(yy / static_cast<double>(P) + a.eps);
-    x[tid] = rs * (gx - yx * rs * rs * gy / static_cast<double>(P));  // (x is dead: the terms)
+    st[tid] = rs * (gx - yx * rs * rs * gy / static_cast<double>(P));  // (st is dead: the terms)
   }
   ndd_sync();
   if (tid == 0) {
     double s = 0.0;
-    for (int64_t row = 0; row < TL; ++row) s += x[row];
+    for (int64_t row = 0; row < TL; ++row) s += st[row];
     a.part[bh * a.nch + c] = s;
   }
 }

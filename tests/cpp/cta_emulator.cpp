@@ -132,4 +132,10 @@ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 // The device's fast exponential (used by the lean epilogue's gate): 2^(x log2 e).
 extern "C" float __expf(float x) noexcept { return exp2f(x * 1.44269504088896341f); }
 
+namespace mamba3::test::emu {
+
+Warp& collective_warp(int& slot) { return cuda::mimo::my_warp(slot); }
+
+}  // namespace mamba3::test::emu
+
 #endif  // MAMBA3_GOLDEN_CUDA

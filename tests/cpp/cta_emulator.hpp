@@ -67,6 +67,10 @@ extern Cta* g_cta;
 extern thread_local int t_tid;
 extern thread_local int64_t t_bid;
 
+// The calling lane's warp and the deposit slot of its next collective instruction (for
+// collectives defined outside cta_emulator.cpp, e.g. the float64 mma of mimo_norm_dd_f64.cuh).
+Warp& collective_warp(int& slot);
+
 // Runs body() on every thread of `grid` CTAs of `nthreads` threads, one CTA after another.
 // before(blk), when given, runs on thread 0 before CTA blk starts (e.g. to poison its shared
 // memory); the other threads wait for it.

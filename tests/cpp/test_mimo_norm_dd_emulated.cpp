@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -32,6 +33,29 @@ namespace mamba3::cuda::ndd {
 int ndd_tid() { return test::emu::t_tid; }
 int64_t ndd_bid() { return test::emu::t_bid; }
 void ndd_sync() { test::emu::g_cta->bar.wait(); }
+
+// The warp's float64 mma m8n8k4 (d += A B on its 8 x 8 tile): every lane deposits its A and B
+// element (A[lane / 4][lane % 4], B[lane % 4][lane / 4]), the warp meets, and each lane sums
+// its two elements D[lane / 4][2 (lane % 4) + e] over k in order, with fused multiply-adds.
+void ndd_dmma884(double (&d)[2], double a, double b) {
+  int s;
+  test::emu::Warp& w = test::emu::collective_warp(s);
+  const int l = test::emu::t_tid % 32, g = l / 4, q = l % 4;
+  std::memcpy(&w.a[s][l][0], &a, sizeof a);
+  std::memcpy(&w.b[s][l][0], &b, sizeof b);
+  w.bar.wait();
+  auto el = [&](const uint32_t* p) {
+    double v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  };
+  for (int e = 0; e < 2; ++e) {
+    const int n = 2 * q + e;
+    double acc = d[e];
+    for (int k = 0; k < 4; ++k) acc = std::fma(el(&w.a[s][g * 4 + k][0]), el(&w.b[s][n * 4 + k][0]), acc);
+    d[e] = acc;
+  }
+}
 }  // namespace mamba3::cuda::ndd
 
 namespace {
@@ -103,7 +127,7 @@ void run_case(const NddCase& c, bool fast, std::vector<float>& got, std::vector<
   };
   namespace emu = mamba3::test::emu;
   if (nch > 1 && fast)
-    emu::launch(B * H * (nch - 1) * ndd::fast_slabs(a), ndd::kThreads,
+    emu::launch(B * H * (nch - 1), ndd::kThreads,
                 [&] { ndd::increment_fast_body(a, smem.data()); }, poison);
   if (nch > 1 && !fast)
     emu::launch(B * H * (nch - 1) * ndd::slabs(a), ndd::kThreads,
@@ -152,16 +176,16 @@ TEST(MimoNormDdEmulated, GenericKernelsMatchTheFloat64Golden) {
   std::printf("[ %d float64 dD cases, generic kernels ]\n", n);
 }
 
-// The whole-chunk kernels (fast_ok shapes): partial chunks, GQA, R 1 .. 8 and R 3 (a step's
-// ranks across 4-row blocks), two U slabs (N P / 16 > 2 kThreads), two Y blocks per thread,
-// T = 64 with C = 64, padded rows.
+// The whole-chunk kernels (fast_ok shapes; float64 mma tiles): partial chunks, GQA, R 1 .. 8
+// and R 3 (a step's ranks across 8-row tiles), several U strips per warp, two Y strips per warp
+// (P = 128), T = 64 with C = 64, padded rows.
 TEST(MimoNormDdEmulated, WholeChunkKernelsMatchTheFloat64Golden) {
   const NddCase cases[] = {
       {2, 37, 2, 1, 16, 32, 2, 16, 4, BF, 16, 0, 21},   // partial last chunk
       {1, 40, 4, 2, 32, 16, 4, 8, 2, F32, 16, 2, 22},   // GQA, P 16, padded
       {1, 5, 1, 1, 16, 48, 1, 16, 4, F16, 16, 0, 23},   // one partial chunk, P 48
       {1, 24, 2, 1, 16, 32, 3, 8, 4, BF, 16, 0, 24},    // R 3
-      {1, 20, 1, 1, 128, 64, 8, 8, 4, BF, 16, 0, 25},   // R 8, T 64, two U slabs
+      {1, 20, 1, 1, 128, 64, 8, 8, 4, BF, 16, 0, 25},   // R 8, T 64, two U strips per warp
       {1, 70, 1, 1, 32, 128, 1, 64, 4, BF, 16, 0, 26},  // C 64, two Y blocks per thread
   };
   int n = 0;
