@@ -27,15 +27,20 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char ndd_read_smem[];
   ndd::readout_body(a, ndd_read_smem);
 }
+// DA: the activations' dtype code of a compiled specialization, -1 for the runtime dtypes
+// (ndd::fast_act_dtype; 4 instantiations of each whole-chunk kernel).
+template <int DA>
 __global__ void __launch_bounds__(kThreads)
     ndd_increment_fast_kernel(const __grid_constant__ ndd::Args a) {
   extern __shared__ __align__(16) unsigned char ndd_incf_smem[];
-  ndd::increment_fast_body(a, ndd_incf_smem);
+  ndd::increment_fast_body<DA, ndd::par_dtype(DA)>(a, ndd_incf_smem);
 }
-__global__ void __launch_bounds__(kThreads)
+// (Two blocks per SM where shared memory allows: 128 registers, the small-N shapes' occupancy.)
+template <int DA>
+__global__ void __launch_bounds__(kThreads, 2)
     ndd_readout_fast_kernel(const __grid_constant__ ndd::Args a) {
   extern __shared__ __align__(16) unsigned char ndd_readf_smem[];
-  ndd::readout_fast_body(a, ndd_readf_smem);
+  ndd::readout_fast_body<DA, ndd::par_dtype(DA)>(a, ndd_readf_smem);
 }
 __global__ void __launch_bounds__(kThreads)
     ndd_final_kernel(const __grid_constant__ ndd::Args a) {
@@ -94,18 +99,22 @@ void norm_dd_f64(const MimoBwdFwdParams& f, void* workspace, const TensorView& d
   const int64_t BH = f.B * f.H;
   if (a.fast) {  // the whole-chunk kernels (fast_ok: the smem limit is checked there)
     const size_t inc_smem = ndd::fast_increment_smem(a), rd_smem = ndd::fast_readout_smem(a);
-    set_smem(reinterpret_cast<const void*>(&ndd_increment_fast_kernel), f.device_id, inc_smem,
-             "mimo_bwd_combined: float64 dD increment kernel smem");
-    set_smem(reinterpret_cast<const void*>(&ndd_readout_fast_kernel), f.device_id, rd_smem,
-             "mimo_bwd_combined: float64 dD readout kernel smem");
-    if (f.nchunks > 1) {
-      ndd_increment_fast_kernel<<<grid_of(BH * (f.nchunks - 1)), kThreads, inc_smem, st>>>(a);
-      check_launch("mimo_bwd_combined: float64 dD increment kernel");
-    }
-    ndd_scan_kernel<<<grid_of(BH * ((f.N * f.P + kThreads - 1) / kThreads)), kThreads, 0, st>>>(a);
-    check_launch("mimo_bwd_combined: float64 dD scan kernel");
-    ndd_readout_fast_kernel<<<grid_of(BH * f.nchunks), kThreads, rd_smem, st>>>(a);
-    check_launch("mimo_bwd_combined: float64 dD readout kernel");
+    ndd::with_act_dtype(a, [&](auto da) {
+      constexpr int DA = decltype(da)::value;
+      set_smem(reinterpret_cast<const void*>(&ndd_increment_fast_kernel<DA>), f.device_id,
+               inc_smem, "mimo_bwd_combined: float64 dD increment kernel smem");
+      set_smem(reinterpret_cast<const void*>(&ndd_readout_fast_kernel<DA>), f.device_id, rd_smem,
+               "mimo_bwd_combined: float64 dD readout kernel smem");
+      if (f.nchunks > 1) {
+        ndd_increment_fast_kernel<DA><<<grid_of(BH * (f.nchunks - 1)), kThreads, inc_smem, st>>>(a);
+        check_launch("mimo_bwd_combined: float64 dD increment kernel");
+      }
+      ndd_scan_kernel<<<grid_of(BH * ((f.N * f.P + kThreads - 1) / kThreads)), kThreads, 0, st>>>(
+          a);
+      check_launch("mimo_bwd_combined: float64 dD scan kernel");
+      ndd_readout_fast_kernel<DA><<<grid_of(BH * f.nchunks), kThreads, rd_smem, st>>>(a);
+      check_launch("mimo_bwd_combined: float64 dD readout kernel");
+    });
   } else {
     const size_t inc_smem = ndd::increment_smem(a), rd_smem = ndd::readout_smem(a, a.tile);
     if (inc_smem > kNormDdMaxSmem || rd_smem > kNormDdMaxSmem)  // (not reached: N, P <= 256)

@@ -31,6 +31,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/rt_dtype.cuh"
 
@@ -475,19 +476,60 @@ inline size_t fast_readout_smem(const Args& a) {
   return sizeof(double) * static_cast<size_t>(3 * a.C + 2 * T * fast_ldq(a) + T * fast_lda(a) +
                                               T * fast_ldx(a) + stage_rows(a) * fast_ldx(a));
 }
+// The readout's S_c stage in n rows: over kh (dead after the coefficients) and the stage region
+// that follows it, so that most shapes stage S_c at once (one barrier, one load latency).
+NDD_HD int64_t readout_stage_rows(const Args& a) {
+  const int64_t r = ((fast_T(a) * fast_ldq(a) + stage_rows(a) * fast_ldx(a)) / fast_ldx(a)) / 4 * 4;
+  return r < a.N ? r : a.N;
+}
+// Whether the step pairs' coefficient table [C][C] fits the stage region (else per element).
+NDD_HD bool coef_table(const Args& a) { return a.C * a.C <= stage_rows(a) * fast_ldx(a); }
 // Whether the whole-chunk kernels take this shape (`limit`: shared memory per block).
 inline bool fast_ok(const Args& a, size_t limit) {
   const int64_t T = fast_T(a);
   return a.N % 8 == 0 && a.P % 8 == 0 && T % 8 == 0 && stage_rows(a) >= 4 &&
          (T / 8) * col_chunks(a) <= int64_t{kWarps} * kYStrips &&
-         // the row terms' partials [T][4 col_chunks][4] go over qh, kh and the coefficients
-         2 * T * fast_ldq(a) + T * fast_lda(a) >= T * 16 * col_chunks(a) &&
+         // the row terms' partials [T][4 col_chunks][4] go over qh and the coefficients
+         T * fast_ldq(a) + T * fast_lda(a) >= T * 16 * col_chunks(a) &&
          fast_increment_smem(a) <= limit && fast_readout_smem(a) <= limit;
 }
 
+// The compiled dtype specialization of the whole-chunk kernels for these tensors: the
+// activations' dtype code when q, k, v, z and dout share it and every parameter (biases,
+// mimo_v / o / z, norm_weight) is float32; else -1 (the runtime-dtype kernels).
+inline int fast_act_dtype(const Args& a) {
+  const int d = a.q.dt;
+  for (const View* v : {&a.k, &a.v, &a.z, &a.dout})
+    if (v->dt != d) return -1;
+  for (const View* v : {&a.q_bias, &a.k_bias, &a.mimo_v, &a.mimo_o, &a.mimo_z, &a.norm_weight})
+    if (v->dt != 2) return -1;
+  return d;
+}
+// The parameters' dtype code of a specialization (float32), or -1 with the runtime one.
+constexpr int par_dtype(int act) { return act < 0 ? -1 : 2; }
+// Calls f(std::integral_constant<int, D>{}) with D = fast_act_dtype(a) (host side).
+template <class F>
+void with_act_dtype(const Args& a, F&& f) {
+  switch (fast_act_dtype(a)) {
+    case 0: f(std::integral_constant<int, 0>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, -1>{}); break;
+  }
+}
+// row / R: a shift where R is a power of two (rsh >= 0), else a division.
+NDD_HD int log2_or_neg(int r) {
+  int s = 0;
+  while ((1 << s) < r) ++s;
+  return (1 << s) == r ? s : -1;
+}
+NDD_DEV int step_of(int row, int R, int rsh) { return rsh >= 0 ? row >> rsh : row / R; }
+
 // The chunk's rows into shared memory: qh (when given) and kh [T][ldq] (kh scaled by w[step]
 // when w is given), x [T][ldx]; rows past the sequence zero. Each (step, pair) turns by one
-// sincos for all ranks of q and k.
+// sincos for all ranks of q and k. DA / DP: the activations' (q, k, v) and the parameters'
+// (biases, mimo_v) dtype codes, or -1 for the runtime ones (fast_act_dtype).
+template <int DA, int DP>
 NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* kh, int64_t ldq,
                          double* x, int64_t ldx, const double* w) {
   // (Loads as raw bits first, converted after: a run of them waits one memory latency, not one
@@ -500,8 +542,10 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
   auto boff = [&](const View& v, int64_t r, int64_t m) {
     return q.h * v.s[0] + r * v.s[1] + m * v.s[2];
   };
-  auto raw = [](const View& v, int64_t o) { return rt_ld_raw(v.p, o, v.dt); };
-  auto val = [](const View& v, uint32_t u) { return static_cast<double>(rt_raw_f(u, v.dt)); };
+  auto raw_a = [](const View& v, int64_t o) { return rt_ld_raw<DA>(v.p, o, v.dt); };
+  auto raw_p = [](const View& v, int64_t o) { return rt_ld_raw<DP>(v.p, o, v.dt); };
+  auto val_a = [](const View& v, uint32_t u) { return static_cast<double>(rt_raw_f<DA>(u, v.dt)); };
+  auto val_p = [](const View& v, uint32_t u) { return static_cast<double>(rt_raw_f<DP>(u, v.dt)); };
   for (int64_t e = tid; e < q.L * a.A; e += kThreads) {
     const int64_t i = e / a.A, ai = e % a.A, t = q.s0 + i;
     const double th = ldd(a.angles, q.b * a.angles.s[0] + t * a.angles.s[1] +
@@ -510,41 +554,43 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
     for (int64_t r = 0; r < R; ++r) {
       const int64_t row = i * R + r;
       uint32_t u[8];
-      u[0] = raw(a.k, off(a.k, t, r, ai)), u[1] = raw(a.k, off(a.k, t, r, ai + half));
-      u[2] = raw(a.k_bias, boff(a.k_bias, r, ai));
-      u[3] = raw(a.k_bias, boff(a.k_bias, r, ai + half));
+      u[0] = raw_a(a.k, off(a.k, t, r, ai)), u[1] = raw_a(a.k, off(a.k, t, r, ai + half));
+      u[2] = raw_p(a.k_bias, boff(a.k_bias, r, ai));
+      u[3] = raw_p(a.k_bias, boff(a.k_bias, r, ai + half));
       if (qh) {
-        u[4] = raw(a.q, off(a.q, t, r, ai)), u[5] = raw(a.q, off(a.q, t, r, ai + half));
-        u[6] = raw(a.q_bias, boff(a.q_bias, r, ai));
-        u[7] = raw(a.q_bias, boff(a.q_bias, r, ai + half));
-        const double qu = val(a.q, u[4]) + val(a.q_bias, u[6]);
-        const double qv = val(a.q, u[5]) + val(a.q_bias, u[7]);
+        u[4] = raw_a(a.q, off(a.q, t, r, ai)), u[5] = raw_a(a.q, off(a.q, t, r, ai + half));
+        u[6] = raw_p(a.q_bias, boff(a.q_bias, r, ai));
+        u[7] = raw_p(a.q_bias, boff(a.q_bias, r, ai + half));
+        const double qu = val_a(a.q, u[4]) + val_p(a.q_bias, u[6]);
+        const double qv = val_a(a.q, u[5]) + val_p(a.q_bias, u[7]);
         qh[row * ldq + ai] = qu * cs - qv * sn;
         qh[row * ldq + ai + half] = qu * sn + qv * cs;
       }
-      const double ku = val(a.k, u[0]) + val(a.k_bias, u[2]);
-      const double kv = val(a.k, u[1]) + val(a.k_bias, u[3]);
+      const double ku = val_a(a.k, u[0]) + val_p(a.k_bias, u[2]);
+      const double kv = val_a(a.k, u[1]) + val_p(a.k_bias, u[3]);
       kh[row * ldq + ai] = (ku * cs - kv * sn) * wi;
       kh[row * ldq + ai + half] = (ku * sn + kv * cs) * wi;
     }
   }
   // The unrotated columns A .. half - 1, half + A .. N - 1 and x: rows by thread rows (ty),
-  // columns by lanes (tx), kB rows per round with their loads first; 32-bit in-chunk indices and
-  // each row's step and rank formed once per round (a division per element, in 64 bits, cost
-  // more than the loads).
+  // columns by lanes (tx), kB rows per round with their loads first; 32-bit in-chunk indices,
+  // each row's step, rank and element offsets but the column's formed once per round (a
+  // division per element, in 64 bits, cost more than the loads; the offsets were ~1/6 of the
+  // readout's instructions, session 43's profile).
   constexpr int kB = 4, kTX = 32, kTY = kThreads / kTX;
   const int tx = tid % kTX, ty = tid / kTX;
   const int Ti = static_cast<int>(T), TLi = static_cast<int>(TL), Ri = static_cast<int>(R);
   const int nu = static_cast<int>(N - 2 * a.A), Ai = static_cast<int>(a.A);
   const int halfi = static_cast<int>(half), Pi = static_cast<int>(a.P);
   for (int row0 = ty; row0 < Ti; row0 += kB * kTY) {
-    int64_t tv[kB];
-    int rv[kB];
+    int64_t tv[kB], oq[kB], oqb[kB], ok[kB], okb[kB];
     bool live[kB];
     NDD_UNROLL
     for (int v = 0; v < kB; ++v) {
-      const int row = row0 + v * kTY, i = row / Ri;
-      tv[v] = q.s0 + i, rv[v] = row - i * Ri, live[v] = row < TLi;
+      const int row = row0 + v * kTY, i = row / Ri, r = row - i * Ri;
+      tv[v] = q.s0 + i, live[v] = row < TLi;
+      oq[v] = off(a.q, tv[v], r, 0), oqb[v] = boff(a.q_bias, r, 0);
+      ok[v] = off(a.k, tv[v], r, 0), okb[v] = boff(a.k_bias, r, 0);
     }
     for (int m = tx; m < nu; m += kTX) {
       const int n = m < halfi - Ai ? Ai + m : halfi + Ai + (m - (halfi - Ai));
@@ -554,11 +600,11 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
         uq[v] = uqb[v] = uk[v] = ukb[v] = 0;
         if (live[v]) {
           if (qh) {
-            uq[v] = raw(a.q, off(a.q, tv[v], rv[v], n));
-            uqb[v] = raw(a.q_bias, boff(a.q_bias, rv[v], n));
+            uq[v] = raw_a(a.q, oq[v] + n * a.q.s[4]);
+            uqb[v] = raw_p(a.q_bias, oqb[v] + n * a.q_bias.s[2]);
           }
-          uk[v] = raw(a.k, off(a.k, tv[v], rv[v], n));
-          ukb[v] = raw(a.k_bias, boff(a.k_bias, rv[v], n));
+          uk[v] = raw_a(a.k, ok[v] + n * a.k.s[4]);
+          ukb[v] = raw_p(a.k_bias, okb[v] + n * a.k_bias.s[2]);
         }
       }
       NDD_UNROLL
@@ -566,11 +612,18 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
         const int row = row0 + v * kTY;
         if (row >= Ti) continue;
         const int64_t d = int64_t{row} * ldq + n;
-        if (qh) qh[d] = live[v] ? val(a.q, uq[v]) + val(a.q_bias, uqb[v]) : 0.0;
-        kh[d] = live[v] ? (val(a.k, uk[v]) + val(a.k_bias, ukb[v])) *
+        if (qh) qh[d] = live[v] ? val_a(a.q, uq[v]) + val_p(a.q_bias, uqb[v]) : 0.0;
+        kh[d] = live[v] ? (val_a(a.k, uk[v]) + val_p(a.k_bias, ukb[v])) *
                               (w ? w[tv[v] - q.s0] : 1.0)
                         : 0.0;
       }
+    }
+    int64_t ov[kB], om[kB];
+    NDD_UNROLL
+    for (int v = 0; v < kB; ++v) {
+      const int row = row0 + v * kTY, r = row - (row / Ri) * Ri;
+      ov[v] = q.b * a.v.s[0] + tv[v] * a.v.s[1] + q.h * a.v.s[2];
+      om[v] = q.h * a.mimo_v.s[0] + r * a.mimo_v.s[1];
     }
     for (int p = tx; p < Pi; p += kTX) {
       uint32_t uv[kB], um[kB];
@@ -578,14 +631,14 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
       for (int v = 0; v < kB; ++v) {
         uv[v] = um[v] = 0;
         if (live[v]) {
-          uv[v] = raw(a.v, q.b * a.v.s[0] + tv[v] * a.v.s[1] + q.h * a.v.s[2] + p * a.v.s[3]);
-          um[v] = raw(a.mimo_v, q.h * a.mimo_v.s[0] + rv[v] * a.mimo_v.s[1] + p * a.mimo_v.s[2]);
+          uv[v] = raw_a(a.v, ov[v] + p * a.v.s[3]);
+          um[v] = raw_p(a.mimo_v, om[v] + p * a.mimo_v.s[2]);
         }
       }
       NDD_UNROLL
       for (int v = 0; v < kB; ++v) {
         const int row = row0 + v * kTY;
-        if (row < Ti) x[row * ldx + p] = live[v] ? val(a.v, uv[v]) * val(a.mimo_v, um[v]) : 0.0;
+        if (row < Ti) x[row * ldx + p] = live[v] ? val_a(a.v, uv[v]) * val_p(a.mimo_v, um[v]) : 0.0;
       }
     }
   }
@@ -599,6 +652,7 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
 
 // Grid: B H (nch - 1). U = kh^T diag(w) x [N][P] in warp strips (8 rows of n x up to 64
 // columns), each lane's k over the chunk's rows in order.
+template <int DA = -1, int DP = -1>
 NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
   const int64_t bid = ndd_bid(), c = bid % (a.nch - 1), bh = bid / (a.nch - 1);
   const ChunkPos q = chunk_pos(a, bh, c);  // a whole chunk
@@ -617,7 +671,7 @@ NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
                                        t * a.da_cs_rev.s[2]));
   }
   ndd_sync();
-  build_chunk(a, q, nullptr, kh, ldk, x, ldx, w);
+  build_chunk<DA, DP>(a, q, nullptr, kh, ldk, x, ldx, w);
   ndd_sync();
   double* U = a.states + (bh * a.nch + c) * a.N * P;
   const int64_t ncc = col_chunks(a), nstrips = (a.N / 8) * ncc;
@@ -644,67 +698,74 @@ NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
 
 // Grid: B H nch. The chunk's coefficient matrix A (T x T: row tiles by warp, column tiles up to
 // the row tile's last step), then Y = exp(da_cs) qh S_c + A x + D x in warp strips (8 rows x up
-// to 64 columns; S_c staged by n rows), then the row terms from per-lane partial sums.
+// to 64 columns; S_c staged by n rows over kh and the stage region), then the row terms from
+// per-lane partial sums. DA / DP as build_chunk's.
+template <int DA = -1, int DP = -1>
 NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   const int64_t bid = ndd_bid(), c = bid % a.nch, bh = bid / a.nch;
   const ChunkPos q = chunk_pos(a, bh, c);
   const int64_t T = fast_T(a), ldq = fast_ldq(a), lda = fast_lda(a), ldx = fast_ldx(a);
-  const int64_t P = a.P, N = a.N, R = a.R, TL = q.L * R, ns = stage_rows(a);
+  const int64_t P = a.P, N = a.N, R = a.R, TL = q.L * R, ns = readout_stage_rows(a);
   const int64_t ncc = col_chunks(a), npart = 4 * ncc;  // row-term partials per row
-  const int Ri = static_cast<int>(R);
+  const int Ri = static_cast<int>(R), rsh = log2_or_neg(Ri), Ci = static_cast<int>(a.C);
   double* sm = reinterpret_cast<double*>(smem);
   double* gam = sm;              // [C]
   double* tsc = gam + a.C;       // [C]
   double* dacs = tsc + a.C;      // [C]
   double* qh = dacs + a.C;       // [T][ldq]
-  double* kh = qh + T * ldq;     // [T][ldq]
-  double* A = kh + T * ldq;      // [T][lda]
+  double* A = qh + T * ldq;      // [T][lda]
   double* x = A + T * lda;       // [T][ldx]
-  double* st = x + T * ldx;      // [ns][ldx] a stage of S_c
-  double* part = qh;             // [T][npart][4] (after Y: over qh, kh and A)
+  double* kh = x + T * ldx;      // [T][ldq]
+  double* st = kh;               // [ns][ldx] S_c's stage (after A: over kh and what follows)
+  double* E = kh + T * ldq;      // [C][C] the step pairs' coefficients (coef_table)
+  double* part = qh;             // [T][npart][4] (after Y: over qh and A)
+  double* terms = kh;            // [T] the rows' terms (after the partials)
   const int tid = ndd_tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, qq = lane % 4;
   step_scalars(a, q, gam, tsc, dacs);
-  build_chunk(a, q, qh, kh, ldq, x, ldx, nullptr);
+  build_chunk<DA, DP>(a, q, qh, kh, ldq, x, ldx, nullptr);
+  // A[i][j] = qh_i . kh_j times the coefficient of steps (si, sj): tscale_j exp(segsum_ij)
+  // (sj < si), gamma_i (same step), 0 (later step, or past the sequence).
+  auto coef = [&](int si, int sj) -> double {
+    if (si >= q.L || sj > si) return 0.0;
+    if (sj == si) return gam[si];
+    const double sg = q.partial ? dacs[si] - dacs[sj]
+                                : ldd(a.segsum, q.b * a.segsum.s[0] + q.h * a.segsum.s[1] +
+                                                    c * a.segsum.s[2] + si * a.segsum.s[3] +
+                                                    sj * a.segsum.s[4]);
+    return tsc[sj] * exp(sg);
+  };
+  // Once per step pair where the table fits (R^2 fewer exp and segsum loads than per element).
+  const bool table = coef_table(a);
+  ndd_sync();  // (the step scalars)
+  if (table)
+    for (int e = tid; e < Ci * Ci; e += kThreads) E[e] = coef(e / Ci, e % Ci);
   ndd_sync();
-  // A[i][j] = qh_i . kh_j times tscale_j exp(segsum_ij) (step j < step i), gamma_i (same
-  // step), 0 (later step): row tile rt by warp, column tiles up to row 8 rt + 7's last rank.
+  // Row tile rt by warp, column tiles up to row 8 rt + 7's last rank.
   for (int64_t rt = warp; rt < T / 8; rt += kWarps) {
     const int64_t r0 = rt * 8;
     const int64_t cend = (static_cast<int>(r0 + 7) / Ri + 1) * R;  // columns < cend
+    const int si = step_of(static_cast<int>(r0) + g, Ri, rsh);
     for (int64_t c0 = 0; c0 < T; c0 += 8 * kColTiles) {
+      const int64_t cl = (cend < T ? cend : T) - c0;  // live columns from c0
+      const int nct = cl <= 0 ? 0 : static_cast<int>(cl >= 8 * kColTiles ? kColTiles : (cl + 7) / 8);
       double acc[kColTiles][2];
       NDD_UNROLL
       for (int ct = 0; ct < kColTiles; ++ct) acc[ct][0] = acc[ct][1] = 0.0;
-      if (c0 < cend) {
-        for (int64_t k0 = 0; k0 < N; k0 += 4) {
-          const double av = qh[(r0 + g) * ldq + k0 + qq];
-          NDD_UNROLL
-          for (int ct = 0; ct < kColTiles; ++ct)
-            if (c0 + 8 * ct < cend && c0 + 8 * ct < T)
-              ndd_dmma884(acc[ct], av, kh[(c0 + 8 * ct + g) * ldq + k0 + qq]);
-        }
+      for (int64_t k0 = 0; k0 < (nct > 0 ? N : 0); k0 += 4) {
+        const double av = qh[(r0 + g) * ldq + k0 + qq];
+        NDD_UNROLL
+        for (int ct = 0; ct < kColTiles; ++ct)
+          if (ct < nct) ndd_dmma884(acc[ct], av, kh[(c0 + 8 * ct + g) * ldq + k0 + qq]);
       }
       NDD_UNROLL
       for (int ct = 0; ct < kColTiles; ++ct) {
         if (c0 + 8 * ct >= T) continue;
         NDD_UNROLL
         for (int e = 0; e < 2; ++e) {
-          const int64_t ri = r0 + g, rj = c0 + 8 * ct + 2 * qq + e;
-          double v = 0.0;
-          if (ri < TL && rj < TL) {
-            const int si = static_cast<int>(ri) / Ri, sj = static_cast<int>(rj) / Ri;
-            if (sj < si) {
-              const double sg =
-                  q.partial ? dacs[si] - dacs[sj]
-                            : ldd(a.segsum, q.b * a.segsum.s[0] + q.h * a.segsum.s[1] +
-                                                c * a.segsum.s[2] + si * a.segsum.s[3] +
-                                                sj * a.segsum.s[4]);
-              v = tsc[sj] * exp(sg) * acc[ct][e];
-            } else if (sj == si) {
-              v = gam[si] * acc[ct][e];
-            }
-          }
-          A[ri * lda + rj] = v;
+          const int rj = static_cast<int>(c0) + 8 * ct + 2 * qq + e;
+          const int sj = step_of(rj, Ri, rsh);
+          const double f = table ? E[si * Ci + sj] : coef(si, sj);
+          A[(r0 + g) * lda + rj] = f * acc[ct][e];
         }
       }
     }
@@ -726,7 +787,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
     const double* St = a.states + (bh * a.nch + c) * N * P;
     for (int64_t n0 = 0; n0 < N; n0 += ns) {
       const int64_t nn = N - n0 < ns ? N - n0 : ns;  // (a multiple of 4: N and ns are)
-      ndd_sync();  // (the previous stage's readers)
+      ndd_sync();  // (kh's readers; the previous stage's)
       for (int64_t e0 = tid; e0 < nn * P; e0 += 4 * kThreads) {  // (loads first)
         double v[4];
         NDD_UNROLL
@@ -758,7 +819,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
       int nct;
       if (!strip(u, r0, c0, nct)) continue;
       const int64_t row = r0 + g;
-      const double e = row < TL ? exp(dacs[static_cast<int>(row) / Ri]) : 0.0;
+      const double e = row < TL ? exp(dacs[step_of(static_cast<int>(row), Ri, rsh)]) : 0.0;
       NDD_UNROLL
       for (int ct = 0; ct < kColTiles; ++ct) y[u][ct][0] *= e, y[u][ct][1] *= e;
     }
@@ -793,7 +854,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
     const int64_t row = r0 + g;
     double yy = 0, yx = 0, gy = 0, gx = 0;
     if (row < TL) {
-      const int ii = static_cast<int>(row) / Ri;
+      const int ii = step_of(static_cast<int>(row), Ri, rsh);
       const int64_t t = q.s0 + ii, r = row - int64_t{ii} * R;
       NDD_UNROLL
       for (int ct = 0; ct < kColTiles; ++ct) {
@@ -802,24 +863,24 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
         NDD_UNROLL
         for (int e = 0; e < 2; ++e) {
           const int64_t p = c0 + 8 * ct + 2 * qq + e;
-          u5[e][0] = rt_ld_raw(a.z.p, q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] +
-                                          p * a.z.s[3], a.z.dt);
-          u5[e][1] = rt_ld_raw(a.mimo_z.p, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
-                                               p * a.mimo_z.s[2], a.mimo_z.dt);
-          u5[e][2] = rt_ld_raw(a.dout.p, q.b * a.dout.s[0] + t * a.dout.s[1] +
-                                             q.h * a.dout.s[2] + p * a.dout.s[3], a.dout.dt);
-          u5[e][3] = rt_ld_raw(a.mimo_o.p, q.h * a.mimo_o.s[0] + r * a.mimo_o.s[1] +
-                                               p * a.mimo_o.s[2], a.mimo_o.dt);
-          u5[e][4] = rt_ld_raw(a.norm_weight.p, q.h * a.norm_weight.s[0] +
-                                                    p * a.norm_weight.s[1], a.norm_weight.dt);
+          u5[e][0] = rt_ld_raw<DA>(a.z.p, q.b * a.z.s[0] + t * a.z.s[1] + q.h * a.z.s[2] +
+                                              p * a.z.s[3], a.z.dt);
+          u5[e][1] = rt_ld_raw<DP>(a.mimo_z.p, q.h * a.mimo_z.s[0] + r * a.mimo_z.s[1] +
+                                                   p * a.mimo_z.s[2], a.mimo_z.dt);
+          u5[e][2] = rt_ld_raw<DA>(a.dout.p, q.b * a.dout.s[0] + t * a.dout.s[1] +
+                                                 q.h * a.dout.s[2] + p * a.dout.s[3], a.dout.dt);
+          u5[e][3] = rt_ld_raw<DP>(a.mimo_o.p, q.h * a.mimo_o.s[0] + r * a.mimo_o.s[1] +
+                                                   p * a.mimo_o.s[2], a.mimo_o.dt);
+          u5[e][4] = rt_ld_raw<DP>(a.norm_weight.p, q.h * a.norm_weight.s[0] +
+                                                        p * a.norm_weight.s[1], a.norm_weight.dt);
         }
         NDD_UNROLL
         for (int e = 0; e < 2; ++e) {
-          const double zu = double{rt_raw_f(u5[e][0], a.z.dt)} *
-                            double{rt_raw_f(u5[e][1], a.mimo_z.dt)};
-          const double gv = double{rt_raw_f(u5[e][2], a.dout.dt)} *
-                            double{rt_raw_f(u5[e][3], a.mimo_o.dt)} * zu * sigmoid_d(zu) *
-                            double{rt_raw_f(u5[e][4], a.norm_weight.dt)};
+          const double zu = double{rt_raw_f<DA>(u5[e][0], a.z.dt)} *
+                            double{rt_raw_f<DP>(u5[e][1], a.mimo_z.dt)};
+          const double gv = double{rt_raw_f<DA>(u5[e][2], a.dout.dt)} *
+                            double{rt_raw_f<DP>(u5[e][3], a.mimo_o.dt)} * zu * sigmoid_d(zu) *
+                            double{rt_raw_f<DP>(u5[e][4], a.norm_weight.dt)};
           const double yv = y[u][ct][e], xv = x[row * ldx + c0 + 8 * ct + 2 * qq + e];
           yy += yv * yv, yx += yv * xv, gy += gv * yv, gx += gv * xv;
         }
@@ -836,12 +897,12 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
       yy += pp[0], yx += pp[1], gy += pp[2], gx += pp[3];
     }
     const double rs = 1.0 / sqrt(yy / static_cast<double>(P) + a.eps);
-    st[tid] = rs * (gx - yx * rs * rs * gy / static_cast<double>(P));  // (st is dead: the terms)
+    terms[tid] = rs * (gx - yx * rs * rs * gy / static_cast<double>(P));
   }
   ndd_sync();
   if (tid == 0) {
     double s = 0.0;
-    for (int64_t row = 0; row < TL; ++row) s += st[row];
+    for (int64_t row = 0; row < TL; ++row) s += terms[row];
     a.part[bh * a.nch + c] = s;
   }
 }

@@ -82,7 +82,8 @@ ndd::View nview(const mamba3::TensorView& t) {
 
 // Runs the four kernels on the host (the whole-chunk kernels when `fast`) and returns dD [H];
 // gold: the golden's.
-void run_case(const NddCase& c, bool fast, std::vector<float>& got, std::vector<double>& gold) {
+void run_case(const NddCase& c, bool fast, bool spec, std::vector<float>& got,
+              std::vector<double>& gold) {
   const int64_t B = c.B, S = c.S, H = c.H, G = c.G, N = c.N, P = c.P, R = c.R, C = c.C;
   const int64_t A = N / c.rdd, nch = (S + C - 1) / C;
   // The combined backward's inputs as its golden-checked cases draw them (NaN where the operator
@@ -126,31 +127,45 @@ void run_case(const NddCase& c, bool fast, std::vector<float>& got, std::vector<
       *reinterpret_cast<double*>(smem.data() + i) = nan;
   };
   namespace emu = mamba3::test::emu;
+  // The whole-chunk kernels: the runtime-dtype bodies, or (spec) the compiled dtype
+  // specialization the CUDA launcher picks for these tensors.
+  auto inc_fast = [&] { ndd::increment_fast_body(a, smem.data()); };
+  auto rd_fast = [&] { ndd::readout_fast_body(a, smem.data()); };
+  std::function<void()> inc_spec, rd_spec;
+  if (spec) {
+    EXPECT_GE(ndd::fast_act_dtype(a), 0) << "no specialization takes these dtypes";
+    ndd::with_act_dtype(a, [&](auto da) {
+      constexpr int DA = decltype(da)::value, DP = ndd::par_dtype(DA);
+      inc_spec = [&] { ndd::increment_fast_body<DA, DP>(a, smem.data()); };
+      rd_spec = [&] { ndd::readout_fast_body<DA, DP>(a, smem.data()); };
+    });
+  }
   if (nch > 1 && fast)
     emu::launch(B * H * (nch - 1), ndd::kThreads,
-                [&] { ndd::increment_fast_body(a, smem.data()); }, poison);
+                spec ? inc_spec : std::function<void()>(inc_fast), poison);
   if (nch > 1 && !fast)
     emu::launch(B * H * (nch - 1) * ndd::slabs(a), ndd::kThreads,
                 [&] { ndd::increment_body(a, smem.data()); }, poison);
   emu::launch(B * H * ((N * P + ndd::kThreads - 1) / ndd::kThreads), ndd::kThreads,
               [&] { ndd::scan_body(a); });
   if (fast)
-    emu::launch(B * H * nch, ndd::kThreads, [&] { ndd::readout_fast_body(a, smem.data()); },
+    emu::launch(B * H * nch, ndd::kThreads, spec ? rd_spec : std::function<void()>(rd_fast),
                 poison);
   else
     emu::launch(B * H * nch, ndd::kThreads, [&] { ndd::readout_body(a, smem.data()); }, poison);
   emu::launch((H + ndd::kThreads - 1) / ndd::kThreads, ndd::kThreads, [&] { ndd::final_body(a); });
 }
 
-void check(const NddCase& c, bool fast, int n) {
+void check(const NddCase& c, bool fast, int n, bool spec = false) {
   std::vector<float> got;
   std::vector<double> gold;
-  run_case(c, fast, got, gold);
+  run_case(c, fast, spec, got, gold);
   for (int64_t h = 0; h < c.H; ++h) {
     const double err = std::fabs(static_cast<double>(got[h]) - gold[h]);
     // The float32 store of a float64 sum: half an ulp, and a little for the order of sums.
     EXPECT_LE(err, 7e-8 * std::fabs(gold[h]) + 1e-12)
-        << (fast ? "whole-chunk" : "generic") << " case " << n << " head " << h << ": " << got[h]
+        << (fast ? (spec ? "whole-chunk (dtype-specialized)" : "whole-chunk") : "generic")
+        << " case " << n << " head " << h << ": " << got[h]
         << " against " << gold[h];
   }
 }
@@ -193,7 +208,8 @@ TEST(MimoNormDdEmulated, WholeChunkKernelsMatchTheFloat64Golden) {
     ndd::Args a;  // (the shape fields fast_ok reads)
     a.N = c.N, a.P = c.P, a.R = c.R, a.C = c.C;
     ASSERT_TRUE(ndd::fast_ok(a, 227 * 1024)) << "case " << n;
-    check(c, true, n++);
+    check(c, true, n, false);
+    check(c, true, n++, true);
   }
   std::printf("[ %d float64 dD cases, whole-chunk kernels ]\n", n);
 }
