@@ -21,7 +21,7 @@
 //
 // Two kernel sets: the generic bodies (any shape: row tiles of Args::tile rows, flash-style over
 // the column tiles up to the row tile's last step) and the whole-chunk bodies further down
-// (fast_ok shapes: the chunk's rows in shared memory once, 4 x 4 register tiles).
+// (fast_ok shapes: the chunk's rows in shared memory once, float64 mma tiles).
 // The same formulas as the CPU backend's ChunkForward<double> (tail rule included: a partial
 // last chunk takes its decays from da_cs alone), in another order of operations (float64 both;
 // dD is stored in float32). Deterministic: fixed owners and fixed-order sums, no atomics.
@@ -432,7 +432,9 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
 // float64 tensor cores (mma m8n8k4: a warp's 8 x 8 tile, one double of A and of B per lane), the
 // states staged through shared memory in blocks of n rows. The generic bodies above re-read
 // q / k per tile pair and S_c from L2 per row group (24 ms for the readout at N128 P64 R4 C16
-// B4 S2048 H16, H100); 4 x 4 FMA register tiles took 4.6 ms there, issue-bound (session 42).
+// B4 S2048 H16, H100); 4 x 4 FMA register tiles took 4.6 ms there, issue-bound (session 42),
+// these 3.4 ms (session 43: most of it the builds' load latency and the scalar work around
+// the products, with one block of 8 warps per SM).
 // The same formulas; sums in another fixed order (float64 both).
 //
 // Row strides (doubles) for the fragments' loads, two wavefronts per warp load: A-layout reads
