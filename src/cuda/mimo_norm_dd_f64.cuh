@@ -749,7 +749,8 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
     const int si = step_of(static_cast<int>(r0) + g, Ri, rsh);
     for (int64_t c0 = 0; c0 < T; c0 += 8 * kColTiles) {
       const int64_t cl = (cend < T ? cend : T) - c0;  // live columns from c0
-      const int nct = cl <= 0 ? 0 : static_cast<int>(cl >= 8 * kColTiles ? kColTiles : (cl + 7) / 8);
+      const int nct =
+          cl <= 0 ? 0 : static_cast<int>(cl >= 8 * kColTiles ? kColTiles : (cl + 7) / 8);
       double acc[kColTiles][2];
       NDD_UNROLL
       for (int ct = 0; ct < kColTiles; ++ct) acc[ct][0] = acc[ct][1] = 0.0;

@@ -52,7 +52,8 @@ void ndd_dmma884(double (&d)[2], double a, double b) {
   for (int e = 0; e < 2; ++e) {
     const int n = 2 * q + e;
     double acc = d[e];
-    for (int k = 0; k < 4; ++k) acc = std::fma(el(&w.a[s][g * 4 + k][0]), el(&w.b[s][n * 4 + k][0]), acc);
+    for (int k = 0; k < 4; ++k)
+      acc = std::fma(el(&w.a[s][g * 4 + k][0]), el(&w.b[s][n * 4 + k][0]), acc);
     d[e] = acc;
   }
 }
