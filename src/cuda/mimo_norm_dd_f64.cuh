@@ -586,13 +586,14 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
   const int halfi = static_cast<int>(half), Pi = static_cast<int>(a.P);
   for (int row0 = ty; row0 < Ti; row0 += kB * kTY) {
     int64_t tv[kB], oq[kB], oqb[kB], ok[kB], okb[kB];
+    int rv[kB];
     bool live[kB];
     NDD_UNROLL
     for (int v = 0; v < kB; ++v) {
-      const int row = row0 + v * kTY, i = row / Ri, r = row - i * Ri;
-      tv[v] = q.s0 + i, live[v] = row < TLi;
-      oq[v] = off(a.q, tv[v], r, 0), oqb[v] = boff(a.q_bias, r, 0);
-      ok[v] = off(a.k, tv[v], r, 0), okb[v] = boff(a.k_bias, r, 0);
+      const int row = row0 + v * kTY, i = row / Ri;
+      tv[v] = q.s0 + i, rv[v] = row - i * Ri, live[v] = row < TLi;
+      oq[v] = off(a.q, tv[v], rv[v], 0), oqb[v] = boff(a.q_bias, rv[v], 0);
+      ok[v] = off(a.k, tv[v], rv[v], 0), okb[v] = boff(a.k_bias, rv[v], 0);
     }
     for (int m = tx; m < nu; m += kTX) {
       const int n = m < halfi - Ai ? Ai + m : halfi + Ai + (m - (halfi - Ai));
@@ -623,9 +624,8 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
     int64_t ov[kB], om[kB];
     NDD_UNROLL
     for (int v = 0; v < kB; ++v) {
-      const int row = row0 + v * kTY, r = row - (row / Ri) * Ri;
       ov[v] = q.b * a.v.s[0] + tv[v] * a.v.s[1] + q.h * a.v.s[2];
-      om[v] = q.h * a.mimo_v.s[0] + r * a.mimo_v.s[1];
+      om[v] = q.h * a.mimo_v.s[0] + rv[v] * a.mimo_v.s[1];
     }
     for (int p = tx; p < Pi; p += kTX) {
       uint32_t uv[kB], um[kB];
