@@ -27,10 +27,16 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char ndd_read_smem[];
   ndd::readout_body(a, ndd_read_smem);
 }
-// The whole-chunk readout with the state chain (ndd::readout_fast_body). DA: the activations'
-// dtype code of a compiled specialization, -1 for the runtime dtypes (ndd::fast_act_dtype; 4
-// instantiations). One block of 16 warps per SM at most shapes (shared memory), 128 registers;
-// at N16 C8, where two 8-warp blocks fitted, one 16-warp block has as many warps.
+// DA: the activations' dtype code of a compiled specialization, -1 for the runtime dtypes
+// (ndd::fast_act_dtype; 4 instantiations of each whole-chunk kernel).
+template <int DA>
+__global__ void __launch_bounds__(ndd::kFastThreads)
+    ndd_increment_fast_kernel(const __grid_constant__ ndd::Args a) {
+  extern __shared__ __align__(16) unsigned char ndd_incf_smem[];
+  ndd::increment_fast_body<DA, ndd::par_dtype(DA)>(a, ndd_incf_smem);
+}
+// One block of 16 warps per SM at most shapes (shared memory), 128 registers; at N16 C8, where
+// two 8-warp blocks fitted, one 16-warp block now has as many warps.
 template <int DA>
 __global__ void __launch_bounds__(ndd::kFastThreads)
     ndd_readout_fast_kernel(const __grid_constant__ ndd::Args a) {
@@ -74,7 +80,6 @@ ndd::Args norm_dd_f64_args(const MimoBwdFwdParams& f, void* workspace) {
   double* ws = static_cast<double*>(workspace);
   a.states = ws;
   a.part = ws + f.B * f.H * f.nchunks * f.N * f.P;
-  a.flags = reinterpret_cast<unsigned*>(a.part + f.B * f.H * f.nchunks);  // [B H nch passes]
   a.tile = ndd::readout_smem(a, 16) <= kNormDdMaxSmem ? 16 : 8;
   a.fast = ndd::fast_ok(a, kNormDdMaxSmem);
   return a;
@@ -83,9 +88,7 @@ ndd::Args norm_dd_f64_args(const MimoBwdFwdParams& f, void* workspace) {
 }  // namespace
 
 size_t norm_dd_f64_workspace_bytes(const MimoBwdFwdParams& f) {
-  const size_t n = static_cast<size_t>(f.B * f.H * f.nchunks);
-  return sizeof(double) * n * static_cast<size_t>(f.N * f.P + 1) +
-         sizeof(unsigned) * n * static_cast<size_t>(ndd::chain_passes(f.N, f.P));
+  return sizeof(double) * static_cast<size_t>(f.B * f.H * f.nchunks * (f.N * f.P + 1));
 }
 
 void norm_dd_f64(const MimoBwdFwdParams& f, void* workspace, const TensorView& dd,
@@ -95,17 +98,23 @@ void norm_dd_f64(const MimoBwdFwdParams& f, void* workspace, const TensorView& d
   a.dd_dt = static_cast<int>(dd.dtype);
   a.dd_s = dd.strides[0];
   const int64_t BH = f.B * f.H;
-  if (a.fast) {  // the whole-chunk readout and its state chain (fast_ok checked the smem)
-    const size_t rd_smem = ndd::fast_readout_smem(a);
-    // The chain's flags start clear (a memset node under graph capture).
-    const size_t nflags = static_cast<size_t>(BH * f.nchunks * ndd::chain_passes(f.N, f.P));
-    check_cuda(cudaMemsetAsync(a.flags, 0, sizeof(unsigned) * nflags, st),
-               "mimo_bwd_combined: float64 dD chain flags");
+  if (a.fast) {  // the whole-chunk kernels (fast_ok: the smem limit is checked there)
+    const size_t inc_smem = ndd::fast_increment_smem(a), rd_smem = ndd::fast_readout_smem(a);
     ndd::with_act_dtype(a, [&](auto da) {
       constexpr int DA = decltype(da)::value;
+      set_smem(reinterpret_cast<const void*>(&ndd_increment_fast_kernel<DA>), f.device_id,
+               inc_smem, "mimo_bwd_combined: float64 dD increment kernel smem");
       set_smem(reinterpret_cast<const void*>(&ndd_readout_fast_kernel<DA>), f.device_id,
                rd_smem, "mimo_bwd_combined: float64 dD readout kernel smem");
-      ndd_readout_fast_kernel<DA><<<grid_of(f.nchunks * BH), ndd::kFastThreads, rd_smem, st>>>(a);
+      if (f.nchunks > 1) {
+        ndd_increment_fast_kernel<DA><<<grid_of(BH * (f.nchunks - 1)), ndd::kFastThreads, inc_smem,
+                                        st>>>(a);
+        check_launch("mimo_bwd_combined: float64 dD increment kernel");
+      }
+      ndd_scan_kernel<<<grid_of(BH * ((f.N * f.P + kThreads - 1) / kThreads)), kThreads, 0, st>>>(
+          a);
+      check_launch("mimo_bwd_combined: float64 dD scan kernel");
+      ndd_readout_fast_kernel<DA><<<grid_of(BH * f.nchunks), ndd::kFastThreads, rd_smem, st>>>(a);
       check_launch("mimo_bwd_combined: float64 dD readout kernel");
     });
   } else {

@@ -20,11 +20,8 @@
 //   final      per h: dD = sum over b, then c, of the partials (double), stored in dD's dtype
 //
 // Two kernel sets: the generic bodies (any shape: row tiles of Args::tile rows, flash-style over
-// the column tiles up to the row tile's last step) and the whole-chunk body further down
-// (fast_ok shapes: the chunk's rows in shared memory once, float64 mma tiles), which also forms
-// U_c from the rows it has built and runs the scan as a chain between its blocks (chunk c's
-// block publishes S_{c+1} once chunk c - 1's has published S_c), so that U_c is neither written
-// nor read back and no increment or scan kernel runs.
+// the column tiles up to the row tile's last step) and the whole-chunk bodies further down
+// (fast_ok shapes: the chunk's rows in shared memory once, float64 mma tiles).
 // The same formulas as the CPU backend's ChunkForward<double> (tail rule included: a partial
 // last chunk takes its decays from da_cs alone), in another order of operations (float64 both;
 // dD is stored in float32). Deterministic: fixed owners and fixed-order sums, no atomics.
@@ -54,29 +51,10 @@ namespace mamba3::cuda::ndd {
 NDD_DEV int ndd_tid() { return static_cast<int>(threadIdx.x); }
 NDD_DEV int64_t ndd_bid() { return static_cast<int64_t>(blockIdx.x); }
 NDD_DEV void ndd_sync() { __syncthreads(); }
-// The whole-chunk readout's state chain between CTAs (CUTLASS's GenericBarrier pattern): the
-// block's stores, a barrier, then one thread's release store of the flag; one thread's acquire
-// loads until the flag is set, then a barrier before the block reads. The states are read
-// through L2 (ld.global.cg): another SM wrote them during this kernel.
-NDD_DEV void ndd_flag_post(unsigned* f) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(f), "r"(1u) : "memory");
-}
-NDD_DEV void ndd_flag_wait(const unsigned* f) {
-  unsigned v;
-  for (;;) {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
-    if (v) return;
-    __nanosleep(32);
-  }
-}
-NDD_DEV double ndd_ldcg(const double* p) { return __ldcg(p); }
 #else
 int ndd_tid();
 int64_t ndd_bid();
 void ndd_sync();
-void ndd_flag_post(unsigned* f);
-void ndd_flag_wait(const unsigned* f);  // the emulator's: runs CTAs in order, checks the flag
-inline double ndd_ldcg(const double* p) { return *p; }
 #endif
 
 constexpr int kThreads = 256;
@@ -101,9 +79,6 @@ struct Args {
       trap, segsum, d, norm_weight;
   double* states = nullptr;  // [B H][nch][N][P]: U_c, then the state entering chunk c
   double* part = nullptr;    // [B H][nch]: each chunk's sum of its rows' terms
-  // [B H][nch][chain_passes]: pass p of S_c published (the whole-chunk readout's state chain;
-  // zero before its launch)
-  unsigned* flags = nullptr;
   unsigned char* dd = nullptr;  // dD [H], dtype dd_dt, stride dd_s
   int dd_dt = 2;
   int64_t dd_s = 1;
@@ -453,9 +428,9 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
 // ------------------------------------------------------------------ whole-chunk kernels
 //
 // Where a chunk's rows fit in shared memory (N, P multiples of 8; the bench grid's shapes), the
-// readout builds the chunk's qh, kh and x once and runs its products (A, U_c, Y) on the float64
-// tensor cores (mma m8n8k4: a warp's 8 x 8 tile, one double of A and of B per lane), S_c
-// staged through shared memory in blocks of n rows. The generic bodies above re-read
+// increment and the readout build the chunk's qh, kh and x once and run their products on the
+// float64 tensor cores (mma m8n8k4: a warp's 8 x 8 tile, one double of A and of B per lane), the
+// states staged through shared memory in blocks of n rows. The generic bodies above re-read
 // q / k per tile pair and S_c from L2 per row group (24 ms for the readout at N128 P64 R4 C16
 // B4 S2048 H16, H100); 4 x 4 FMA register tiles took 4.6 ms there, issue-bound (session 42),
 // these 3.4 ms with 8 warps per block (session 43: most of it the builds' load latency and the
@@ -464,9 +439,8 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
 //
 // Row strides (doubles) for the fragments' loads, two wavefronts per warp load: A-layout reads
 // (8 rows g, 4 columns q) want a stride of 8 words mod 32 (ldq = N + 4, lda = T + 4 with N, T
-// multiples of 16); B-layout reads (4 rows q, 8 columns g) 16 words mod 32 (ldx = P + 8). The
-// U products read kh in that layout with ldq (its A-layout stride for the coefficients):
-// not checked for bank conflicts on a GPU yet.
+// multiples of 16); B-layout reads (4 rows q, 8 columns g) 16 words mod 32 (ldx = P + 8,
+// ldk = N + 8).
 
 #if defined(__CUDACC__)
 // d += A B for the warp's 8 x 8 tile: a = A[lane / 4][lane % 4], b = B[lane % 4][lane / 4],
@@ -486,27 +460,25 @@ constexpr int kFastThreads = 512;
 constexpr int kWarps = kFastThreads / 32;
 constexpr int kColTiles = 4;      // 8 x 8 tiles per warp strip (32 columns)
 constexpr int kYStrips = 2;       // the readout's Y strips per warp, at most
-constexpr int kUStrips = 2;       // the readout's U strips per warp and chain pass
 constexpr int kStageDoubles = 2048;  // the readout's S_c stage (n rows x ldx)
 
 NDD_HD int64_t fast_ldq(const Args& a) { return a.N + 4; }
+NDD_HD int64_t fast_ldk(const Args& a) { return a.N + 8; }
 NDD_HD int64_t fast_ldx(const Args& a) { return a.P + 8; }
 NDD_HD int64_t fast_T(const Args& a) { return a.C * a.R; }
 NDD_HD int64_t fast_lda(const Args& a) { return fast_T(a) + 4; }
 NDD_HD int64_t col_chunks(const Args& a) { return (a.P + 8 * kColTiles - 1) / (8 * kColTiles); }
-// The readout's state chain in passes of kWarps kUStrips strips of U_c (8 n rows x 32 columns),
-// each with its own flag per chunk: 1 at N P <= 4096, 2 at N 256 P 64 and N 128 P 128.
-NDD_HD int64_t chain_passes(int64_t N, int64_t P) {
-  const int64_t strips = (N / 8) * ((P + 8 * kColTiles - 1) / (8 * kColTiles));
-  return (strips + int64_t{kWarps} * kUStrips - 1) / (int64_t{kWarps} * kUStrips);
-}
 NDD_HD int64_t stage_rows(const Args& a) {
   const int64_t r = (kStageDoubles / fast_ldx(a)) / 4 * 4;
   return r < a.N ? r : a.N;
 }
+inline size_t fast_increment_smem(const Args& a) {
+  const int64_t T = fast_T(a);
+  return sizeof(double) * static_cast<size_t>(3 * a.C + T * fast_ldk(a) + T * fast_ldx(a));
+}
 inline size_t fast_readout_smem(const Args& a) {
   const int64_t T = fast_T(a);
-  return sizeof(double) * static_cast<size_t>(4 * a.C + 2 * T * fast_ldq(a) + T * fast_lda(a) +
+  return sizeof(double) * static_cast<size_t>(3 * a.C + 2 * T * fast_ldq(a) + T * fast_lda(a) +
                                               T * fast_ldx(a) + stage_rows(a) * fast_ldx(a));
 }
 // The readout's S_c stage in n rows: over kh (dead after the coefficients) and the stage region
@@ -524,7 +496,7 @@ inline bool fast_ok(const Args& a, size_t limit) {
          (T / 8) * col_chunks(a) <= int64_t{kWarps} * kYStrips &&
          // the row terms' partials [T][4 col_chunks][4] go over qh and the coefficients
          T * fast_ldq(a) + T * fast_lda(a) >= T * 16 * col_chunks(a) &&
-         fast_readout_smem(a) <= limit;
+         fast_increment_smem(a) <= limit && fast_readout_smem(a) <= limit;
 }
 
 // The compiled dtype specialization of the whole-chunk kernels for these tensors: the
@@ -558,13 +530,13 @@ NDD_HD int log2_or_neg(int r) {
 }
 NDD_DEV int step_of(int row, int R, int rsh) { return rsh >= 0 ? row >> rsh : row / R; }
 
-// The chunk's rows into shared memory: qh (when given) and kh [T][ldq], x [T][ldx]; rows past
-// the sequence zero. Each (step, pair) turns by one
+// The chunk's rows into shared memory: qh (when given) and kh [T][ldq] (kh scaled by w[step]
+// when w is given), x [T][ldx]; rows past the sequence zero. Each (step, pair) turns by one
 // sincos for all ranks of q and k. DA / DP: the activations' (q, k, v) and the parameters'
 // (biases, mimo_v) dtype codes, or -1 for the runtime ones (fast_act_dtype).
 template <int DA, int DP>
 NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* kh, int64_t ldq,
-                         double* x, int64_t ldx) {
+                         double* x, int64_t ldx, const double* w) {
   // (Loads as raw bits first, converted after: a run of them waits one memory latency, not one
   // per element, as rt_ld's dtype branches made it.)
   const int tid = ndd_tid();
@@ -586,6 +558,7 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
     const int64_t i = e / a.A, ai = e % a.A, t = q.s0 + i;
     const double th = ldd(a.angles, q.b * a.angles.s[0] + t * a.angles.s[1] +
                                         q.h * a.angles.s[2] + ai * a.angles.s[3]);
+    const double wi = w ? w[i] : 1.0;
     double cs = 0.0, sn = 0.0;
     for (int64_t rb = 0; rb < R; rb += kRB) {
       uint32_t u[kRB][8];
@@ -617,8 +590,8 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
         }
         const double ku = val_a(a.k, u[v][0]) + val_p(a.k_bias, u[v][2]);
         const double kv = val_a(a.k, u[v][1]) + val_p(a.k_bias, u[v][3]);
-        kh[row * ldq + ai] = ku * cs - kv * sn;
-        kh[row * ldq + ai + half] = ku * sn + kv * cs;
+        kh[row * ldq + ai] = (ku * cs - kv * sn) * wi;
+        kh[row * ldq + ai + half] = (ku * sn + kv * cs) * wi;
       }
     }
   }
@@ -664,7 +637,9 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
         if (row >= Ti) continue;
         const int64_t d = int64_t{row} * ldq + n;
         if (qh) qh[d] = live[v] ? val_a(a.q, uq[v]) + val_p(a.q_bias, uqb[v]) : 0.0;
-        kh[d] = live[v] ? val_a(a.k, uk[v]) + val_p(a.k_bias, ukb[v]) : 0.0;
+        kh[d] = live[v] ? (val_a(a.k, uk[v]) + val_p(a.k_bias, ukb[v])) *
+                              (w ? w[tv[v] - q.s0] : 1.0)
+                        : 0.0;
       }
     }
     int64_t ov[kB], om[kB];
@@ -698,20 +673,59 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
   }
 }
 
-// Grid: nch B H, chunk-major (block c BH + bh). A block's predecessor in the state chain (chunk
-// c - 1) has a lower index, so it was scheduled first and the chain cannot deadlock; chunk-major
-// so that the blocks resident together are few chunks of many heads, not a head's whole chain
-// (which would run its links one after another while its blocks wait). The chunk's
-// coefficient matrix A (T x T: row tiles by warp, column tiles up to the row tile's last step);
-// then, but for the last chunk, the state chain: U_c = kh^T diag(w) x in registers (warp strips
-// of 8 n rows x up to 32 columns, w_j = tscale_j exp(da_cs_rev_j)) and, once chunk c - 1 has
-// published S_c, S_{c+1} = exp(da_cs_{last of c}) S_c + U_c stored and published; then
-// Y = exp(da_cs) qh S_c + A x + D x in warp strips (8 rows x up to 32 columns; S_c staged by n
-// rows over kh and the stage region), then the row terms from per-lane partial sums. DA / DP as
-// build_chunk's.
+// Grid: B H (nch - 1). U = kh^T diag(w) x [N][P] in warp strips (8 rows of n x up to 32
+// columns), each lane's k over the chunk's rows in order.
+template <int DA = -1, int DP = -1>
+NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
+  const int64_t bid = ndd_bid(), c = bid % (a.nch - 1), bh = bid / (a.nch - 1);
+  const ChunkPos q = chunk_pos(a, bh, c);  // a whole chunk
+  const int64_t T = fast_T(a), ldk = fast_ldk(a), ldx = fast_ldx(a), P = a.P;
+  double* sm = reinterpret_cast<double*>(smem);
+  double* w = sm;              // [C] tscale_j exp(da_cs_rev_j)
+  double* gam = w + a.C;       // [C] (step_scalars' other outputs, unused here)
+  double* dacs = gam + a.C;    // [C]
+  double* kh = dacs + a.C;     // [T][ldk] kh w
+  double* x = kh + T * ldk;    // [T][ldx]
+  const int tid = ndd_tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, qq = lane % 4;
+  step_scalars(a, q, gam, w, dacs);
+  if (tid < q.L) {  // (the thread's own step)
+    const int64_t t = q.s0 + tid;
+    w[tid] *= exp(ldd(a.da_cs_rev, q.b * a.da_cs_rev.s[0] + q.h * a.da_cs_rev.s[1] +
+                                       t * a.da_cs_rev.s[2]));
+  }
+  ndd_sync();
+  build_chunk<DA, DP>(a, q, nullptr, kh, ldk, x, ldx, w);
+  ndd_sync();
+  double* U = a.states + (bh * a.nch + c) * a.N * P;
+  const int64_t ncc = col_chunks(a), nstrips = (a.N / 8) * ncc;
+  for (int64_t sidx = warp; sidx < nstrips; sidx += kWarps) {
+    const int64_t n0 = (sidx / ncc) * 8, c0 = (sidx % ncc) * 8 * kColTiles;
+    const int nct = static_cast<int>((P - c0) / 8 < kColTiles ? (P - c0) / 8 : kColTiles);
+    double acc[kColTiles][2];
+    NDD_UNROLL
+    for (int ct = 0; ct < kColTiles; ++ct) acc[ct][0] = acc[ct][1] = 0.0;
+    for (int64_t j0 = 0; j0 < T; j0 += 4) {
+      const double av = kh[(j0 + qq) * ldk + n0 + g];  // A[n][j] = kh[j][n]
+      NDD_UNROLL
+      for (int ct = 0; ct < kColTiles; ++ct)
+        if (ct < nct) ndd_dmma884(acc[ct], av, x[(j0 + qq) * ldx + c0 + 8 * ct + g]);
+    }
+    NDD_UNROLL
+    for (int ct = 0; ct < kColTiles; ++ct)
+      if (ct < nct) {
+        double* u = U + (n0 + g) * P + c0 + 8 * ct + 2 * qq;
+        u[0] = acc[ct][0], u[1] = acc[ct][1];
+      }
+  }
+}
+
+// Grid: B H nch. The chunk's coefficient matrix A (T x T: row tiles by warp, column tiles up to
+// the row tile's last step), then Y = exp(da_cs) qh S_c + A x + D x in warp strips (8 rows x up
+// to 32 columns; S_c staged by n rows over kh and the stage region), then the row terms from
+// per-lane partial sums. DA / DP as build_chunk's.
 template <int DA = -1, int DP = -1>
 NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
-  const int64_t BH = a.B * a.H, bid = ndd_bid(), c = bid / BH, bh = bid % BH;
+  const int64_t bid = ndd_bid(), c = bid % a.nch, bh = bid / a.nch;
   const ChunkPos q = chunk_pos(a, bh, c);
   const int64_t T = fast_T(a), ldq = fast_ldq(a), lda = fast_lda(a), ldx = fast_ldx(a);
   const int64_t P = a.P, N = a.N, R = a.R, TL = q.L * R, ns = readout_stage_rows(a);
@@ -721,8 +735,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   double* gam = sm;              // [C]
   double* tsc = gam + a.C;       // [C]
   double* dacs = tsc + a.C;      // [C]
-  double* wv = dacs + a.C;       // [C] w_j = tscale_j exp(da_cs_rev_j) (the chain's chunks)
-  double* qh = wv + a.C;         // [T][ldq]
+  double* qh = dacs + a.C;       // [T][ldq]
   double* A = qh + T * ldq;      // [T][lda]
   double* x = A + T * lda;       // [T][ldx]
   double* kh = x + T * ldx;      // [T][ldq]
@@ -731,13 +744,8 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   double* part = qh;             // [T][npart][4] (after Y: over qh and A)
   double* terms = kh;            // [T] the rows' terms (after the partials)
   const int tid = ndd_tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, qq = lane % 4;
-  const bool chain = c + 1 < a.nch;  // (a whole chunk: only the last can be partial)
   step_scalars(a, q, gam, tsc, dacs);
-  if (chain && tid < q.L) {  // (the thread's own step)
-    wv[tid] = tsc[tid] * exp(ldd(a.da_cs_rev, q.b * a.da_cs_rev.s[0] + q.h * a.da_cs_rev.s[1] +
-                                                  (q.s0 + tid) * a.da_cs_rev.s[2]));
-  }
-  build_chunk<DA, DP>(a, q, qh, kh, ldq, x, ldx);
+  build_chunk<DA, DP>(a, q, qh, kh, ldq, x, ldx, nullptr);
   // A[i][j] = qh_i . kh_j times the coefficient of steps (si, sj): tscale_j exp(segsum_ij)
   // (sj < si), gamma_i (same step), 0 (later step, or past the sequence).
   auto coef = [&](int si, int sj) -> double {
@@ -786,64 +794,6 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
       }
     }
   }
-  // The state chain, in passes (chain_passes): kUStrips strips per warp of U_c (n rows n0 ..
-  // n0 + 7, columns from c0; A[n][j] = kh[j][n] w_j, each lane's k over the chunk's rows in
-  // order), then, once chunk c - 1 has published this pass of S_c, this pass of S_{c+1}, and
-  // its flag. Per chunk and pass, the chain's serial part is the wait, S_c's load from L2, the
-  // stores and the flag; the products run before it.
-  const int64_t npass = chain_passes(N, P);
-  const double* Sc = a.states + (bh * a.nch + c) * N * P;  // S_c (c > 0)
-  unsigned* flag_c = a.flags + (bh * a.nch + c) * npass;  // S_c's (c > 0)
-  if (chain) {
-    double* Sn = a.states + (bh * a.nch + c + 1) * N * P;
-    const double decay = exp(dacs[Ci - 1]);
-    const int64_t nus = (N / 8) * ncc;
-    for (int64_t pass = 0; pass < npass; ++pass) {
-      const int64_t s0 = pass * kWarps * kUStrips;
-      double u[kUStrips][kColTiles][2];
-      NDD_UNROLL
-      for (int us = 0; us < kUStrips; ++us) {
-        NDD_UNROLL
-        for (int ct = 0; ct < kColTiles; ++ct) u[us][ct][0] = u[us][ct][1] = 0.0;
-        const int64_t sidx = s0 + warp + int64_t{us} * kWarps;
-        if (sidx >= nus) continue;
-        const int64_t n0 = (sidx / ncc) * 8, c0 = (sidx % ncc) * 8 * kColTiles;
-        const int nct = static_cast<int>((P - c0) / 8 < kColTiles ? (P - c0) / 8 : kColTiles);
-        for (int64_t j0 = 0; j0 < T; j0 += 4) {
-          const int j = static_cast<int>(j0) + qq;
-          const double av = kh[j * ldq + n0 + g] * wv[step_of(j, Ri, rsh)];
-          NDD_UNROLL
-          for (int ct = 0; ct < kColTiles; ++ct)
-            if (ct < nct) ndd_dmma884(u[us][ct], av, x[j * ldx + c0 + 8 * ct + g]);
-        }
-      }
-      if (c > 0 && tid == 0) ndd_flag_wait(flag_c + pass);
-      ndd_sync();  // (this pass of S_c published)
-      NDD_UNROLL
-      for (int us = 0; us < kUStrips; ++us) {
-        const int64_t sidx = s0 + warp + int64_t{us} * kWarps;
-        if (sidx >= nus) continue;
-        const int64_t n0 = (sidx / ncc) * 8, c0 = (sidx % ncc) * 8 * kColTiles;
-        const int nct = static_cast<int>((P - c0) / 8 < kColTiles ? (P - c0) / 8 : kColTiles);
-        NDD_UNROLL
-        for (int ct = 0; ct < kColTiles; ++ct) {
-          if (ct >= nct) continue;
-          const int64_t o = (n0 + g) * P + c0 + 8 * ct + 2 * qq;
-          NDD_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const double sc = c > 0 ? ndd_ldcg(Sc + o + e) : 0.0;
-            Sn[o + e] = decay * sc + u[us][ct][e];
-          }
-        }
-      }
-      ndd_sync();  // (every thread's stores before the flag)
-      if (tid == 0) ndd_flag_post(flag_c + npass + pass);
-    }
-  } else if (c > 0 && tid == 0) {
-    // The last chunk: S_c whole. The last pass's flag covers the earlier passes' stores (each
-    // flag is released after a barrier that follows them). The stage's first barrier follows.
-    ndd_flag_wait(flag_c + npass - 1);
-  }
   // Y strips: this warp's strips warp + u kWarps: row tile sidx / ncc, columns from
   // 8 kColTiles (sidx % ncc)
   const int64_t nstrips = (T / 8) * ncc;
@@ -859,6 +809,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
     return sidx < nstrips;
   };
   if (c > 0) {  // S_0 = 0
+    const double* St = a.states + (bh * a.nch + c) * N * P;
     for (int64_t n0 = 0; n0 < N; n0 += ns) {
       const int64_t nn = N - n0 < ns ? N - n0 : ns;  // (a multiple of 4: N and ns are)
       ndd_sync();  // (kh's readers; the previous stage's)
@@ -866,8 +817,7 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
         double v[4];
         NDD_UNROLL
         for (int u = 0; u < 4; ++u)
-          v[u] = e0 + u * kFastThreads < nn * P ? ndd_ldcg(Sc + n0 * P + e0 + u * kFastThreads)
-                                                : 0.0;
+          v[u] = e0 + u * kFastThreads < nn * P ? St[n0 * P + e0 + u * kFastThreads] : 0.0;
         NDD_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t e = e0 + u * kFastThreads;
