@@ -30,15 +30,17 @@ __global__ void __launch_bounds__(kThreads)
 // DA: the activations' dtype code of a compiled specialization, -1 for the runtime dtypes
 // (ndd::fast_act_dtype; 4 instantiations of each whole-chunk kernel).
 template <int DA>
-__global__ void __launch_bounds__(ndd::kFastThreads)
+__global__ void __launch_bounds__(kThreads)
     ndd_increment_fast_kernel(const __grid_constant__ ndd::Args a) {
   extern __shared__ __align__(16) unsigned char ndd_incf_smem[];
   ndd::increment_fast_body<DA, ndd::par_dtype(DA)>(a, ndd_incf_smem);
 }
-// One block of 16 warps per SM at most shapes (shared memory), 128 registers; at N16 C8, where
-// two 8-warp blocks fitted, one 16-warp block now has as many warps.
-template <int DA>
-__global__ void __launch_bounds__(ndd::kFastThreads)
+// MB: the blocks per SM it is compiled for. MB 2 (128 registers) where two blocks fit in shared
+// memory, else MB 1 (164 registers, no spills): session 43 timed both at every grid shape
+// (H100): MB 2 1.3 ms faster at N16 C8 (two blocks per SM), MB 1 1-3% faster at the other ten
+// (one block per SM by shared memory, where the cap only costs spills).
+template <int DA, int MB>
+__global__ void __launch_bounds__(kThreads, MB)
     ndd_readout_fast_kernel(const __grid_constant__ ndd::Args a) {
   extern __shared__ __align__(16) unsigned char ndd_readf_smem[];
   ndd::readout_fast_body<DA, ndd::par_dtype(DA)>(a, ndd_readf_smem);
@@ -64,6 +66,8 @@ unsigned grid_of(int64_t n) {
 
 // The chunk kernels' shared memory limit (the H100 / H200 opt-in maximum per block).
 constexpr size_t kNormDdMaxSmem = 227 * 1024;
+// Shared memory per SM (H100 / H200) and what the runtime reserves per block.
+constexpr size_t kSmSmem = 228 * 1024, kBlockReservedSmem = 1024;
 
 // The kernels' arguments over the first pass's params (has_norm, has_d) and a workspace of
 // norm_dd_f64_workspace_bytes (256-byte aligned in the combined backward's layout).
@@ -100,21 +104,23 @@ void norm_dd_f64(const MimoBwdFwdParams& f, void* workspace, const TensorView& d
   const int64_t BH = f.B * f.H;
   if (a.fast) {  // the whole-chunk kernels (fast_ok: the smem limit is checked there)
     const size_t inc_smem = ndd::fast_increment_smem(a), rd_smem = ndd::fast_readout_smem(a);
+    const bool two_blocks = 2 * (rd_smem + kBlockReservedSmem) <= kSmSmem;
     ndd::with_act_dtype(a, [&](auto da) {
       constexpr int DA = decltype(da)::value;
+      const auto readout = two_blocks ? &ndd_readout_fast_kernel<DA, 2>
+                                      : &ndd_readout_fast_kernel<DA, 1>;
       set_smem(reinterpret_cast<const void*>(&ndd_increment_fast_kernel<DA>), f.device_id,
                inc_smem, "mimo_bwd_combined: float64 dD increment kernel smem");
-      set_smem(reinterpret_cast<const void*>(&ndd_readout_fast_kernel<DA>), f.device_id,
-               rd_smem, "mimo_bwd_combined: float64 dD readout kernel smem");
+      set_smem(reinterpret_cast<const void*>(readout), f.device_id, rd_smem,
+               "mimo_bwd_combined: float64 dD readout kernel smem");
       if (f.nchunks > 1) {
-        ndd_increment_fast_kernel<DA><<<grid_of(BH * (f.nchunks - 1)), ndd::kFastThreads, inc_smem,
-                                        st>>>(a);
+        ndd_increment_fast_kernel<DA><<<grid_of(BH * (f.nchunks - 1)), kThreads, inc_smem, st>>>(a);
         check_launch("mimo_bwd_combined: float64 dD increment kernel");
       }
       ndd_scan_kernel<<<grid_of(BH * ((f.N * f.P + kThreads - 1) / kThreads)), kThreads, 0, st>>>(
           a);
       check_launch("mimo_bwd_combined: float64 dD scan kernel");
-      ndd_readout_fast_kernel<DA><<<grid_of(BH * f.nchunks), ndd::kFastThreads, rd_smem, st>>>(a);
+      readout<<<grid_of(BH * f.nchunks), kThreads, rd_smem, st>>>(a);
       check_launch("mimo_bwd_combined: float64 dD readout kernel");
     });
   } else {

@@ -433,8 +433,8 @@ NDD_DEV void readout_body(const Args& a, unsigned char* smem) {
 // states staged through shared memory in blocks of n rows. The generic bodies above re-read
 // q / k per tile pair and S_c from L2 per row group (24 ms for the readout at N128 P64 R4 C16
 // B4 S2048 H16, H100); 4 x 4 FMA register tiles took 4.6 ms there, issue-bound (session 42),
-// these 3.4 ms with 8 warps per block (session 43: most of it the builds' load latency and the
-// scalar work around the products, not the products).
+// these 3.4 ms (session 43: most of it the builds' load latency and the scalar work around
+// the products, with one block of 8 warps per SM).
 // The same formulas; sums in another fixed order (float64 both).
 //
 // Row strides (doubles) for the fragments' loads, two wavefronts per warp load: A-layout reads
@@ -454,11 +454,8 @@ NDD_DEV void ndd_dmma884(double (&d)[2], double a, double b) {
 void ndd_dmma884(double (&d)[2], double a, double b);  // the host emulator's
 #endif
 
-// 16 warps per block: one block per SM at most shapes (shared memory), so its own warps hide
-// the load and mma latencies (8 warps: 1.1x slower at N128 P64 R4 C16, session 43).
-constexpr int kFastThreads = 512;
-constexpr int kWarps = kFastThreads / 32;
-constexpr int kColTiles = 4;      // 8 x 8 tiles per warp strip (32 columns)
+constexpr int kWarps = kThreads / 32;
+constexpr int kColTiles = 8;      // 8 x 8 tiles per warp strip (64 columns)
 constexpr int kYStrips = 2;       // the readout's Y strips per warp, at most
 constexpr int kStageDoubles = 2048;  // the readout's S_c stage (n rows x ldx)
 
@@ -551,48 +548,30 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
   auto raw_p = [](const View& v, int64_t o) { return rt_ld_raw<DP>(v.p, o, v.dt); };
   auto val_a = [](const View& v, uint32_t u) { return static_cast<double>(rt_raw_f<DA>(u, v.dt)); };
   auto val_p = [](const View& v, uint32_t u) { return static_cast<double>(rt_raw_f<DP>(u, v.dt)); };
-  // The rotated pairs: (step, pair) by thread, its ranks in batches of kRB with their loads
-  // first, the first batch's issued before the sincos (their latency under it).
-  constexpr int kRB = 2;
-  for (int64_t e = tid; e < q.L * a.A; e += kFastThreads) {
+  for (int64_t e = tid; e < q.L * a.A; e += kThreads) {
     const int64_t i = e / a.A, ai = e % a.A, t = q.s0 + i;
     const double th = ldd(a.angles, q.b * a.angles.s[0] + t * a.angles.s[1] +
                                         q.h * a.angles.s[2] + ai * a.angles.s[3]);
-    const double wi = w ? w[i] : 1.0;
-    double cs = 0.0, sn = 0.0;
-    for (int64_t rb = 0; rb < R; rb += kRB) {
-      uint32_t u[kRB][8];
-      NDD_UNROLL
-      for (int v = 0; v < kRB; ++v) {
-        const int64_t r = rb + v;
-        if (r >= R) continue;
-        u[v][0] = raw_a(a.k, off(a.k, t, r, ai));
-        u[v][1] = raw_a(a.k, off(a.k, t, r, ai + half));
-        u[v][2] = raw_p(a.k_bias, boff(a.k_bias, r, ai));
-        u[v][3] = raw_p(a.k_bias, boff(a.k_bias, r, ai + half));
-        if (qh) {
-          u[v][4] = raw_a(a.q, off(a.q, t, r, ai));
-          u[v][5] = raw_a(a.q, off(a.q, t, r, ai + half));
-          u[v][6] = raw_p(a.q_bias, boff(a.q_bias, r, ai));
-          u[v][7] = raw_p(a.q_bias, boff(a.q_bias, r, ai + half));
-        }
+    const double cs = cos(th), sn = sin(th), wi = w ? w[i] : 1.0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = i * R + r;
+      uint32_t u[8];
+      u[0] = raw_a(a.k, off(a.k, t, r, ai)), u[1] = raw_a(a.k, off(a.k, t, r, ai + half));
+      u[2] = raw_p(a.k_bias, boff(a.k_bias, r, ai));
+      u[3] = raw_p(a.k_bias, boff(a.k_bias, r, ai + half));
+      if (qh) {
+        u[4] = raw_a(a.q, off(a.q, t, r, ai)), u[5] = raw_a(a.q, off(a.q, t, r, ai + half));
+        u[6] = raw_p(a.q_bias, boff(a.q_bias, r, ai));
+        u[7] = raw_p(a.q_bias, boff(a.q_bias, r, ai + half));
+        const double qu = val_a(a.q, u[4]) + val_p(a.q_bias, u[6]);
+        const double qv = val_a(a.q, u[5]) + val_p(a.q_bias, u[7]);
+        qh[row * ldq + ai] = qu * cs - qv * sn;
+        qh[row * ldq + ai + half] = qu * sn + qv * cs;
       }
-      if (rb == 0) cs = cos(th), sn = sin(th);
-      NDD_UNROLL
-      for (int v = 0; v < kRB; ++v) {
-        const int64_t r = rb + v, row = i * R + r;
-        if (r >= R) continue;
-        if (qh) {
-          const double qu = val_a(a.q, u[v][4]) + val_p(a.q_bias, u[v][6]);
-          const double qv = val_a(a.q, u[v][5]) + val_p(a.q_bias, u[v][7]);
-          qh[row * ldq + ai] = qu * cs - qv * sn;
-          qh[row * ldq + ai + half] = qu * sn + qv * cs;
-        }
-        const double ku = val_a(a.k, u[v][0]) + val_p(a.k_bias, u[v][2]);
-        const double kv = val_a(a.k, u[v][1]) + val_p(a.k_bias, u[v][3]);
-        kh[row * ldq + ai] = (ku * cs - kv * sn) * wi;
-        kh[row * ldq + ai + half] = (ku * sn + kv * cs) * wi;
-      }
+      const double ku = val_a(a.k, u[0]) + val_p(a.k_bias, u[2]);
+      const double kv = val_a(a.k, u[1]) + val_p(a.k_bias, u[3]);
+      kh[row * ldq + ai] = (ku * cs - kv * sn) * wi;
+      kh[row * ldq + ai + half] = (ku * sn + kv * cs) * wi;
     }
   }
   // The unrotated columns A .. half - 1, half + A .. N - 1 and x: rows by thread rows (ty),
@@ -600,7 +579,7 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
   // each row's step, rank and element offsets but the column's formed once per round (a
   // division per element, in 64 bits, cost more than the loads; the offsets were ~1/6 of the
   // readout's instructions, session 43's profile).
-  constexpr int kB = 4, kTX = 32, kTY = kFastThreads / kTX;
+  constexpr int kB = 4, kTX = 32, kTY = kThreads / kTX;
   const int tx = tid % kTX, ty = tid / kTX;
   const int Ti = static_cast<int>(T), TLi = static_cast<int>(TL), Ri = static_cast<int>(R);
   const int nu = static_cast<int>(N - 2 * a.A), Ai = static_cast<int>(a.A);
@@ -665,7 +644,7 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
       }
     }
   }
-  for (int e = tid; e < (Ti - TLi) * 2 * Ai; e += kFastThreads) {  // rotated columns, dead rows
+  for (int e = tid; e < (Ti - TLi) * 2 * Ai; e += kThreads) {  // rotated columns, dead rows
     const int row = TLi + e / (2 * Ai), m = e % (2 * Ai);
     const int n = m < Ai ? m : halfi + (m - Ai);
     if (qh) qh[int64_t{row} * ldq + n] = 0.0;
@@ -673,7 +652,7 @@ NDD_DEV void build_chunk(const Args& a, const ChunkPos& q, double* qh, double* k
   }
 }
 
-// Grid: B H (nch - 1). U = kh^T diag(w) x [N][P] in warp strips (8 rows of n x up to 32
+// Grid: B H (nch - 1). U = kh^T diag(w) x [N][P] in warp strips (8 rows of n x up to 64
 // columns), each lane's k over the chunk's rows in order.
 template <int DA = -1, int DP = -1>
 NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
@@ -721,7 +700,7 @@ NDD_DEV void increment_fast_body(const Args& a, unsigned char* smem) {
 
 // Grid: B H nch. The chunk's coefficient matrix A (T x T: row tiles by warp, column tiles up to
 // the row tile's last step), then Y = exp(da_cs) qh S_c + A x + D x in warp strips (8 rows x up
-// to 32 columns; S_c staged by n rows over kh and the stage region), then the row terms from
+// to 64 columns; S_c staged by n rows over kh and the stage region), then the row terms from
 // per-lane partial sums. DA / DP as build_chunk's.
 template <int DA = -1, int DP = -1>
 NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
@@ -761,41 +740,40 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   const bool table = coef_table(a);
   ndd_sync();  // (the step scalars)
   if (table)
-    for (int e = tid; e < Ci * Ci; e += kFastThreads) E[e] = coef(e / Ci, e % Ci);
+    for (int e = tid; e < Ci * Ci; e += kThreads) E[e] = coef(e / Ci, e % Ci);
   ndd_sync();
-  // Items (row tile rt, column strip from c0) by warp; column tiles up to row 8 rt + 7's last
-  // rank.
-  const int64_t ncs = (T + 8 * kColTiles - 1) / (8 * kColTiles);  // column strips
-  for (int64_t item = warp; item < (T / 8) * ncs; item += kWarps) {
-    const int64_t r0 = (item / ncs) * 8, c0 = (item % ncs) * 8 * kColTiles;
+  // Row tile rt by warp, column tiles up to row 8 rt + 7's last rank.
+  for (int64_t rt = warp; rt < T / 8; rt += kWarps) {
+    const int64_t r0 = rt * 8;
     const int64_t cend = (static_cast<int>(r0 + 7) / Ri + 1) * R;  // columns < cend
     const int si = step_of(static_cast<int>(r0) + g, Ri, rsh);
-    const int64_t cl = (cend < T ? cend : T) - c0;  // live columns from c0
-    const int nct =
-        cl <= 0 ? 0 : static_cast<int>(cl >= 8 * kColTiles ? kColTiles : (cl + 7) / 8);
-    double acc[kColTiles][2];
-    NDD_UNROLL
-    for (int ct = 0; ct < kColTiles; ++ct) acc[ct][0] = acc[ct][1] = 0.0;
-    for (int64_t k0 = 0; k0 < (nct > 0 ? N : 0); k0 += 4) {
-      const double av = qh[(r0 + g) * ldq + k0 + qq];
+    for (int64_t c0 = 0; c0 < T; c0 += 8 * kColTiles) {
+      const int64_t cl = (cend < T ? cend : T) - c0;  // live columns from c0
+      const int nct =
+          cl <= 0 ? 0 : static_cast<int>(cl >= 8 * kColTiles ? kColTiles : (cl + 7) / 8);
+      double acc[kColTiles][2];
       NDD_UNROLL
-      for (int ct = 0; ct < kColTiles; ++ct)
-        if (ct < nct) ndd_dmma884(acc[ct], av, kh[(c0 + 8 * ct + g) * ldq + k0 + qq]);
-    }
-    NDD_UNROLL
-    for (int ct = 0; ct < kColTiles; ++ct) {
-      if (c0 + 8 * ct >= T) continue;
+      for (int ct = 0; ct < kColTiles; ++ct) acc[ct][0] = acc[ct][1] = 0.0;
+      for (int64_t k0 = 0; k0 < (nct > 0 ? N : 0); k0 += 4) {
+        const double av = qh[(r0 + g) * ldq + k0 + qq];
+        NDD_UNROLL
+        for (int ct = 0; ct < kColTiles; ++ct)
+          if (ct < nct) ndd_dmma884(acc[ct], av, kh[(c0 + 8 * ct + g) * ldq + k0 + qq]);
+      }
       NDD_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int rj = static_cast<int>(c0) + 8 * ct + 2 * qq + e;
-        const int sj = step_of(rj, Ri, rsh);
-        const double f = table ? E[si * Ci + sj] : coef(si, sj);
-        A[(r0 + g) * lda + rj] = f * acc[ct][e];
+      for (int ct = 0; ct < kColTiles; ++ct) {
+        if (c0 + 8 * ct >= T) continue;
+        NDD_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const int rj = static_cast<int>(c0) + 8 * ct + 2 * qq + e;
+          const int sj = step_of(rj, Ri, rsh);
+          const double f = table ? E[si * Ci + sj] : coef(si, sj);
+          A[(r0 + g) * lda + rj] = f * acc[ct][e];
+        }
       }
     }
   }
-  // Y strips: this warp's strips warp + u kWarps: row tile sidx / ncc, columns from
-  // 8 kColTiles (sidx % ncc)
+  // Y strips: this warp's strips warp + u kWarps: row tile sidx / ncc, columns from 64 (sidx % ncc)
   const int64_t nstrips = (T / 8) * ncc;
   double y[kYStrips][kColTiles][2];
   NDD_UNROLL
@@ -813,14 +791,14 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
     for (int64_t n0 = 0; n0 < N; n0 += ns) {
       const int64_t nn = N - n0 < ns ? N - n0 : ns;  // (a multiple of 4: N and ns are)
       ndd_sync();  // (kh's readers; the previous stage's)
-      for (int64_t e0 = tid; e0 < nn * P; e0 += 4 * kFastThreads) {  // (loads first)
+      for (int64_t e0 = tid; e0 < nn * P; e0 += 4 * kThreads) {  // (loads first)
         double v[4];
         NDD_UNROLL
         for (int u = 0; u < 4; ++u)
-          v[u] = e0 + u * kFastThreads < nn * P ? St[n0 * P + e0 + u * kFastThreads] : 0.0;
+          v[u] = e0 + u * kThreads < nn * P ? St[n0 * P + e0 + u * kThreads] : 0.0;
         NDD_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t e = e0 + u * kFastThreads;
+          const int64_t e = e0 + u * kThreads;
           if (e < nn * P) st[(e / P) * ldx + e % P] = v[u];
         }
       }

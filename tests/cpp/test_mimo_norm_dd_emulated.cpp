@@ -142,7 +142,7 @@ void run_case(const NddCase& c, bool fast, bool spec, std::vector<float>& got,
     });
   }
   if (nch > 1 && fast)
-    emu::launch(B * H * (nch - 1), ndd::kFastThreads,
+    emu::launch(B * H * (nch - 1), ndd::kThreads,
                 spec ? inc_spec : std::function<void()>(inc_fast), poison);
   if (nch > 1 && !fast)
     emu::launch(B * H * (nch - 1) * ndd::slabs(a), ndd::kThreads,
@@ -150,7 +150,7 @@ void run_case(const NddCase& c, bool fast, bool spec, std::vector<float>& got,
   emu::launch(B * H * ((N * P + ndd::kThreads - 1) / ndd::kThreads), ndd::kThreads,
               [&] { ndd::scan_body(a); });
   if (fast)
-    emu::launch(B * H * nch, ndd::kFastThreads, spec ? rd_spec : std::function<void()>(rd_fast),
+    emu::launch(B * H * nch, ndd::kThreads, spec ? rd_spec : std::function<void()>(rd_fast),
                 poison);
   else
     emu::launch(B * H * nch, ndd::kThreads, [&] { ndd::readout_body(a, smem.data()); }, poison);
