@@ -14,9 +14,12 @@
 #   HASH_SHAPES=1,3,4,9   bench/mimo_output_hashes.py shapes ("" skips the hashes)
 #   TESTS=1          gtests ('*Cuda*') and the CUDA self-check of each candidate (0: none)
 #   TEST_TAGS=X,Y    only these candidates' tests (default: every candidate)
+#   PYTEST="FILES"   with TESTS=1, also these pytest files against each candidate's library
+#                    (e.g. tests/python/test_mimo_bwd_combined_cuda.py); none by default
 #   MATCH=chunk_planes    kernel name summed separately in the summary (e.g. the K3)
 # Results under $OUT (default ./ab_out): kt_<op>.jsonl, hashes.txt, gtest_<tag>.log,
-# selfcheck_<tag>.md, summary_<op>.txt; the summary of the first op is printed last.
+# selfcheck_<tag>.md, pytest_<tag>.log, summary_<op>.txt; the summary of the first op is printed
+# last.
 # Compare builds only within one call: machines differ by several per cent.
 set -uo pipefail  # (no -e: one failed run must not stop the others)
 cd "$(dirname "$0")/.." || exit 1
@@ -97,6 +100,14 @@ if [ "$TESTS" = 1 ]; then
       LD_LIBRARY_PATH="$W" timeout 90 "$W/mamba3-selfcheck" --device cuda --output "$sc" \
         > /dev/null 2>&1
       echo "selfcheck $t rc $?: PASS $(grep -c PASS "$sc") FAIL $(grep -c FAIL "$sc")"
+    fi
+    if [ -n "${PYTEST:-}" ]; then
+      t1=$(date +%s)
+      # shellcheck disable=SC2086
+      PYTHONPATH=python MAMBA3_LIBRARY="$W/lib$t.so" timeout 300 python3 -m pytest $PYTEST -q \
+        -rfE -p no:cacheprovider > "$OUT/pytest_$t.log" 2>&1
+      rc=$?
+      echo "pytest $t rc $rc ($(( $(date +%s) - t1 )) s): $(tail -1 "$OUT/pytest_$t.log")"
     fi
   done
 fi
