@@ -70,6 +70,19 @@ def test_large():
     assert not failures, "\n".join(failures)
 
 
+def test_large_norm():
+    # test_large with the fused norm: dD from the float64 kernels over 128 chunks of 8 heads
+    # (their blocks wait on one another where the state chain runs between them), run three
+    # times for the bits.
+    inp = M.make_inputs(2, 2048, 4, 1, 128, 64, 4, 16, z=True, norm=True, d=True, act=BF16,
+                        device=DEV, seed=2049)
+    res = _call(inp)
+    failures = M.check_combined(res, inp)
+    assert not failures, "\n".join(failures)
+    for _ in range(2):
+        assert _equal(res, _call(inp)), "runs are not bitwise identical"
+
+
 def test_noncontiguous_inputs_equal_contiguous():
     inp = M.make_inputs(2, 30, 4, 2, 32, 16, 2, 8, z=True, d=True, act=F16, device=DEV, seed=8)
     assert _equal(_call(inp), _call(M.noncontiguous(inp)))
