@@ -819,21 +819,28 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
       }
       if (c > 0 && tid == 0) ndd_flag_wait(flag_c + pass);
       ndd_sync();  // (this pass of S_c published)
+      // Per strip, its S_c elements' loads first (one L2 latency per strip on the chain's
+      // serial path, not one per element: the compiler cannot move a load of S_c above a
+      // store to S_{c+1}; per pass they would spill), then the stores.
       NDD_UNROLL
       for (int us = 0; us < kUStrips; ++us) {
         const int64_t sidx = s0 + warp + int64_t{us} * kWarps;
         if (sidx >= nus) continue;
         const int64_t n0 = (sidx / ncc) * 8, c0 = (sidx % ncc) * 8 * kColTiles;
         const int nct = static_cast<int>((P - c0) / 8 < kColTiles ? (P - c0) / 8 : kColTiles);
+        const int64_t o = (n0 + g) * P + c0 + 2 * qq;
+        double sv[kColTiles][2];
+        NDD_UNROLL
+        for (int ct = 0; ct < kColTiles; ++ct) {
+          const bool live = c > 0 && ct < nct;
+          sv[ct][0] = live ? ndd_ldcg(Sc + o + 8 * ct) : 0.0;
+          sv[ct][1] = live ? ndd_ldcg(Sc + o + 8 * ct + 1) : 0.0;
+        }
         NDD_UNROLL
         for (int ct = 0; ct < kColTiles; ++ct) {
           if (ct >= nct) continue;
-          const int64_t o = (n0 + g) * P + c0 + 8 * ct + 2 * qq;
-          NDD_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const double sc = c > 0 ? ndd_ldcg(Sc + o + e) : 0.0;
-            Sn[o + e] = decay * sc + u[us][ct][e];
-          }
+          Sn[o + 8 * ct] = decay * sv[ct][0] + u[us][ct][0];
+          Sn[o + 8 * ct + 1] = decay * sv[ct][1] + u[us][ct][1];
         }
       }
       ndd_sync();  // (every thread's stores before the flag)
