@@ -794,6 +794,10 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   const int64_t npass = chain_passes(N, P);
   const double* Sc = a.states + (bh * a.nch + c) * N * P;  // S_c (c > 0)
   unsigned* flag_c = a.flags + (bh * a.nch + c) * npass;  // S_c's (c > 0)
+  // With one pass and S_c within the stage (9 of the 11 grid shapes), the link also writes the
+  // S_c it has loaded into the stage, and Y's stage loads (another L2 latency per chunk) are
+  // skipped. (With more passes the stage, over kh, would overwrite rows the next pass reads.)
+  const bool link_stages = chain && c > 0 && npass == 1 && ns >= N;
   if (chain) {
     double* Sn = a.states + (bh * a.nch + c + 1) * N * P;
     const double decay = exp(dacs[Ci - 1]);
@@ -841,6 +845,10 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
           if (ct >= nct) continue;
           Sn[o + 8 * ct] = decay * sv[ct][0] + u[us][ct][0];
           Sn[o + 8 * ct + 1] = decay * sv[ct][1] + u[us][ct][1];
+          if (link_stages) {  // (kh is dead: every U product came before the barrier above)
+            double* sr = st + (n0 + g) * ldx + c0 + 8 * ct + 2 * qq;
+            sr[0] = sv[ct][0], sr[1] = sv[ct][1];
+          }
         }
       }
       ndd_sync();  // (every thread's stores before the flag)
@@ -868,20 +876,22 @@ NDD_DEV void readout_fast_body(const Args& a, unsigned char* smem) {
   if (c > 0) {  // S_0 = 0
     for (int64_t n0 = 0; n0 < N; n0 += ns) {
       const int64_t nn = N - n0 < ns ? N - n0 : ns;  // (a multiple of 4: N and ns are)
-      ndd_sync();  // (kh's readers; the previous stage's)
-      for (int64_t e0 = tid; e0 < nn * P; e0 += 4 * kFastThreads) {  // (loads first)
-        double v[4];
-        NDD_UNROLL
-        for (int u = 0; u < 4; ++u)
-          v[u] = e0 + u * kFastThreads < nn * P ? ndd_ldcg(Sc + n0 * P + e0 + u * kFastThreads)
-                                                : 0.0;
-        NDD_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t e = e0 + u * kFastThreads;
-          if (e < nn * P) st[(e / P) * ldx + e % P] = v[u];
+      ndd_sync();  // (kh's readers; the previous stage's; the link's stage stores)
+      if (!link_stages) {  // (else S_c is in the stage: the link's stores, then barriers)
+        for (int64_t e0 = tid; e0 < nn * P; e0 += 4 * kFastThreads) {  // (loads first)
+          double v[4];
+          NDD_UNROLL
+          for (int u = 0; u < 4; ++u)
+            v[u] = e0 + u * kFastThreads < nn * P ? ndd_ldcg(Sc + n0 * P + e0 + u * kFastThreads)
+                                                  : 0.0;
+          NDD_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t e = e0 + u * kFastThreads;
+            if (e < nn * P) st[(e / P) * ldx + e % P] = v[u];
+          }
         }
+        ndd_sync();
       }
-      ndd_sync();
       NDD_UNROLL
       for (int u = 0; u < kYStrips; ++u) {
         int64_t r0, c0;
