@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds libmamba3.so at several revisions for scripts/device_ab.sh, in one scratch worktree and
 # one build directory, so that each revision after the first recompiles only the files it
-# changes (a candidate that edits one kernel file: ~15 s here, against ~10 min for a clean build).
+# changes (a candidate that edits one kernel file: ~30 s here, against ~8 min for the first).
 #
 #   scripts/build_ab_libs.sh DIR TAG=REV [TAG=REV ...]
 #
