@@ -32,7 +32,9 @@ Measured per shape:
   jit cache); wall time per kernel and in total are reported; TileLang's disk cache,
   TILELANG_CACHE_DIR, makes a second run on the same machine skip it. Compiles not finished
   within --compile-timeout seconds (default 240 per kernel kind) are given up (those shapes
-  have no upstream column).
+  have no upstream column). --compile-only fills that cache and exits, also on a machine
+  without a GPU (target sm_90a; scripts/pack_for_device.sh --upstream-cache carries it), so a
+  device call need not spend its minutes compiling.
 - FLOPs (the same count for both): the chunked algorithm's matrix products, with Cr = C*R per
   chunk and head (dense blocks, causal half not discounted; elementwise work, rotary, exp and
   reductions not counted):
@@ -660,6 +662,39 @@ def late_compile_note(limit_s, ready_then, total, ready_end=None):
             "the shapes missing one have no upstream time")
 
 
+def compile_only(op_names, shapes, workers):
+    """Fills TILELANG_CACHE_DIR with upstream's kernels for these ops and shapes, through the
+    same calls as the timed run (so that its jit calls find them there); returns the exit code.
+    TileLang's cache key holds the target's string, which 'auto' makes on an H100 / H200 from
+    the device (sm_90a): without a device the same target comes from TILELANG_TARGET. The key
+    also holds libtilelang.so's size and mtime, so the tilelang that compiles must be the one
+    the device imports (the same unpacked site: pack_for_device.sh does both)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TILELANG_TARGET", "cuda -arch=sm_90a")
+    up, note = load_upstream()
+    print(note, flush=True)
+    if up is None:
+        return 1
+    kinds = []
+    for n in op_names:
+        kinds += [k for k in UP_KINDS[n] if k not in kinds]
+    jobs = [(kind, shape) for shape in shapes for kind in kinds]
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    print(f"compiling {len(jobs)} upstream kernels ({', '.join(kinds)}) in {workers} threads "
+          f"into {os.environ.get('TILELANG_CACHE_DIR')} (target "
+          f"{os.environ.get('TILELANG_TARGET', 'auto')})", flush=True)
+    compiler = Compiler(up, jobs, workers)
+    compiler.wait(None)
+    for job in jobs:
+        k, s_ = job
+        err = compiler.errors.get(job)
+        print(f"  {k} {label(s_)}: {compiler.seconds.get(job, 0):.0f} s"
+              + (f", failed: {err}" if err else ""), flush=True)
+    print(f"{len(compiler.kernels)} of {len(jobs)} compiled in {compiler.total_s:.0f} s",
+          flush=True)
+    return 0 if len(compiler.kernels) == len(jobs) else 1
+
+
 def main():
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -679,6 +714,10 @@ def main():
     ap.add_argument("--compile-workers", type=int, default=0,
                     help="threads compiling upstream's kernels (default: one per kernel, at "
                          "most the number of CPUs)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile upstream's kernels for --op / --shapes into TILELANG_CACHE_DIR "
+                         "and exit (no GPU needed: without one the target is "
+                         "TILELANG_TARGET, default 'cuda -arch=sm_90a', the H100 / H200's)")
     ap.add_argument("--compile-timeout", type=float, default=0.0,
                     help="seconds (from the start of the compiles) after which the ones not "
                          "finished are given up (default 240 per kind of kernel needed)")
@@ -700,6 +739,8 @@ def main():
     if bad:
         ap.error(f"--op: unknown {', '.join(bad)} (choose from {', '.join(OPS)}, or all)")
 
+    if cfg.compile_only:
+        sys.exit(compile_only(op_names, shapes, cfg.compile_workers))
     torch.backends.cuda.matmul.allow_tf32 = False
     dev_name = torch.cuda.get_device_name() if DEV != "cpu" else \
         "cpu (smoke test: host wall times, no ceilings)"

@@ -33,6 +33,9 @@
 #                       compares with the float32 torch reference instead of upstream.
 #     --tilelang-tar FILE  the site folder packed by scripts/pack_for_device.sh --tilelang:
 #                       unpacked to a temporary folder, used as --tilelang-site
+#     --tilelang-cache-tar FILE  upstream's kernels compiled on the packing machine
+#                       (pack_for_device.sh --upstream-cache): unpacked into TILELANG_CACHE_DIR,
+#                       so that the benchmark's upstream compiles are cache hits
 #   With --no-build, a build directory that holds libmamba3.so.xz but no libmamba3.so (made by
 #   scripts/pack_for_device.sh) gets the library unpacked first. With either benchmark phase on,
 #   the build directory's mamba3-k3-probe (bench/k3_fused_probe.cu) runs too (seconds).
@@ -58,6 +61,7 @@ PYTEST_ARGS=""
 GTEST_FILTER='*Cuda*'
 BUDGET=570
 DO_MIMO=0 MIMO_ONLY=0 MIMO_BENCH_ARGS="" TILELANG_SITE=${TILELANG_SITE:-} TILELANG_TAR=
+TILELANG_CACHE_TAR=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-build) DO_BUILD=0 ;;
@@ -78,7 +82,8 @@ while [ $# -gt 0 ]; do
     --mimo-bench-args) MIMO_BENCH_ARGS=$2; shift ;;
     --tilelang-site) TILELANG_SITE=$2; shift ;;
     --tilelang-tar) TILELANG_TAR=$2; shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    --tilelang-cache-tar) TILELANG_CACHE_TAR=$2; shift ;;
+    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -159,6 +164,11 @@ if [ -n "$TILELANG_TAR" ]; then
   tar -xJf "$TILELANG_TAR" -C "$TILELANG_SITE" ||
     echo "gpu_check.sh: could not unpack $TILELANG_TAR (the MIMO benchmark then runs" \
          "without upstream)" >&2
+fi
+if [ -n "$TILELANG_CACHE_TAR" ]; then
+  mkdir -p "$TILELANG_CACHE_DIR"
+  tar -xJf "$TILELANG_CACHE_TAR" -C "$TILELANG_CACHE_DIR" ||
+    echo "gpu_check.sh: could not unpack $TILELANG_CACHE_TAR (upstream compiles on the device)" >&2
 fi
 if [ ! -f "$LIB" ]; then
   echo "gpu_check.sh: $LIB does not exist" >&2

@@ -2,7 +2,7 @@
 # Packs a build made on this machine for a device call, under the device tool's carry limit
 # (64 MiB with the working tree), so that the call spends no time building:
 #
-#   scripts/pack_for_device.sh BUILD_DIR DEST [--tilelang]
+#   scripts/pack_for_device.sh BUILD_DIR DEST [--tilelang [--upstream-cache OPS]]
 #
 # DEST (a git-ignored folder of this checkout, e.g. .devpack) receives
 #   libmamba3.so.xz        the library, xz-compressed (with the compute_90 PTX it is ~78 MB, ~23 MB
@@ -15,18 +15,41 @@
 #                          0.1.5, z3-solver 4.15.4, unpacked, without what the import does not
 #                          need (z3's command-line binary and second copy of libz3, tilelang's
 #                          AMD composable_kernel headers): ~31 MB instead of 74 MB of wheels
+#   tilelang-cache.tar.xz  with --upstream-cache OPS (bench_mimo_bwd.py --op values, e.g.
+#                          combined,combined_norm): upstream's TileLang kernels for those ops at
+#                          the 11 grid shapes, compiled here for sm_90a by the benchmark's
+#                          --compile-only with the packed tilelang (its library's size and
+#                          mtime are in TileLang's cache key), so that the device's compiles
+#                          (~200 s per 22 kernels) are cache hits. Needs .upstream
+#                          (scripts/extract_upstream.sh) and, in this machine's Python, torch,
+#                          triton 3.6, apache-tvm-ffi 0.1.5, torch-c-dlpack-ext 0.1.5 and z3-solver
+#                          4.15.4 (the site's own builds are for the device's Python 3.12); ~25-50 s
+#                          per kernel on two cores
 # and, on the device, `scripts/gpu_check.sh --no-build --build-dir DEST [--tilelang-tar
-# DEST/site.tar.xz]` unpacks both (carry DEST, and .upstream for the comparisons: ~0.6 MB).
+# DEST/site.tar.xz] [--tilelang-cache-tar DEST/tilelang-cache.tar.xz]` unpacks them (carry
+# DEST, and .upstream for the comparisons: ~0.6 MB).
 # The wheels come from PyPI (pip download, cp312, manylinux x86_64: the device image's Python);
 # packing takes about a minute on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-  sed -n '2,21p' "$0" >&2
+  sed -n '2,32p' "$0" >&2
   exit 2
 fi
-BUILD=$1 DEST=$2 TILELANG=0
-[ "${3:-}" = --tilelang ] && TILELANG=1
+BUILD=$1 DEST=$2 TILELANG=0 UPCACHE_OPS=
+shift 2
+while [ $# -gt 0 ]; do
+  case $1 in
+    --tilelang) TILELANG=1 ;;
+    --upstream-cache) UPCACHE_OPS=$2; shift ;;
+    *) echo "pack_for_device.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -n "$UPCACHE_OPS" ] && { [ "$TILELANG" = 0 ] || [ ! -d .upstream ]; }; then
+  echo "pack_for_device.sh: --upstream-cache needs --tilelang and .upstream" >&2
+  exit 2
+fi
 if [ ! -f "$BUILD/libmamba3.so" ]; then
   echo "pack_for_device.sh: $BUILD/libmamba3.so not found" >&2
   exit 1
@@ -63,6 +86,20 @@ if [ "$TILELANG" = 1 ]; then
     ln -sf libz3.so "$tmp/site/z3/lib/libz3.so.4.15"
   fi
   tar -C "$tmp/site" -cf - . | xz -T0 -6 > "$DEST/site.tar.xz"
+  if [ -n "$UPCACHE_OPS" ]; then
+    # tilelang itself from the packed site (unzip kept the wheel's mtimes, tar keeps them on
+    # the device), the other packages from this machine's Python.
+    mkdir -p "$tmp/tl" "$tmp/cache"
+    ln -s "$tmp/site/tilelang" "$tmp/tl/tilelang"
+    rc=0
+    PYTHONPATH="$tmp/tl:python" MAMBA3_LIBRARY="$BUILD/libmamba3.so" \
+      TILELANG_CACHE_DIR="$tmp/cache" python3 bench/bench_mimo_bwd.py --compile-only \
+      --op "$UPCACHE_OPS" > "$tmp/compile.log" 2>&1 || rc=$?
+    grep -v -e ' Warning: ' -e 'TileLang:tilelang.jit.kernel:INFO' "$tmp/compile.log" || true
+    [ "$rc" = 0 ] || echo "pack_for_device.sh: not every upstream kernel compiled (rc $rc):" \
+                         "the device compiles the rest" >&2
+    tar -C "$tmp/cache" -cf - . | xz -T0 -6 > "$DEST/tilelang-cache.tar.xz"
+  fi
 fi
 
 # What a call carries besides DEST: the tracked files, the untracked ones git does not ignore
