@@ -16,10 +16,12 @@
 #   TEST_TAGS=X,Y    only these candidates' tests (default: every candidate)
 #   PYTEST="FILES"   with TESTS=1, also these pytest files against each candidate's library
 #                    (e.g. tests/python/test_mimo_bwd_combined_cuda.py); none by default
+#   SANITIZE=FILTER  with TESTS=1, also compute-sanitizer's memcheck, racecheck and synccheck on
+#                    the gtests FILTER selects (e.g. '*NormDd*'), per candidate; none by default
 #   MATCH=chunk_planes    kernel name summed separately in the summary (e.g. the K3)
 # Results under $OUT (default ./ab_out): kt_<op>.jsonl, hashes.txt, gtest_<tag>.log,
-# selfcheck_<tag>.md, pytest_<tag>.log, summary_<op>.txt; the summary of the first op is printed
-# last.
+# selfcheck_<tag>.md, pytest_<tag>.log, sanitize_<tool>_<tag>.log, summary_<op>.txt; the
+# summary of the first op is printed last.
 # Compare builds only within one call: machines differ by several per cent.
 set -uo pipefail  # (no -e: one failed run must not stop the others)
 cd "$(dirname "$0")/.." || exit 1
@@ -100,6 +102,17 @@ if [ "$TESTS" = 1 ]; then
       LD_LIBRARY_PATH="$W" timeout 90 "$W/mamba3-selfcheck" --device cuda --output "$sc" \
         > /dev/null 2>&1
       echo "selfcheck $t rc $?: PASS $(grep -c PASS "$sc") FAIL $(grep -c FAIL "$sc")"
+    fi
+    if [ -n "${SANITIZE:-}" ] && [ -x "$W/mamba3_tests" ]; then
+      san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      for tool in memcheck racecheck synccheck; do
+        t1=$(date +%s)
+        LD_LIBRARY_PATH="$W" timeout 300 "$san" --tool "$tool" --error-exitcode 9 \
+          "$W/mamba3_tests" --gtest_filter="$SANITIZE" > "$OUT/sanitize_${tool}_$t.log" 2>&1
+        rc=$?
+        echo "$tool $t rc $rc ($(( $(date +%s) - t1 )) s):" \
+             "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_${tool}_$t.log" | tail -1)"
+      done
     fi
     if [ -n "${PYTEST:-}" ]; then
       t1=$(date +%s)
