@@ -61,12 +61,18 @@ NDD_DEV void ndd_sync() { __syncthreads(); }
 NDD_DEV void ndd_flag_post(unsigned* f) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(f), "r"(1u) : "memory");
 }
+// A wait past 10 s (globaltimer) traps: a chain that cannot progress (a block scheduled before
+// its predecessor, which CUDA does not promise but does) fails the launch instead of hanging.
 NDD_DEV void ndd_flag_wait(const unsigned* f) {
   unsigned v;
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   for (;;) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
     if (v) return;
     __nanosleep(32);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > 10000000000ull) __trap();
   }
 }
 NDD_DEV double ndd_ldcg(const double* p) { return __ldcg(p); }
