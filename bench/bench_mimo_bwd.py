@@ -662,6 +662,14 @@ def late_compile_note(limit_s, ready_then, total, ready_end=None):
             "the shapes missing one have no upstream time")
 
 
+def upstream_kinds(op_names):
+    """The upstream kernel kinds these ops need, each once, in order."""
+    kinds = []
+    for n in op_names:
+        kinds += [k for k in UP_KINDS[n] if k not in kinds]
+    return kinds
+
+
 def compile_only(op_names, shapes, workers):
     """Fills TILELANG_CACHE_DIR with upstream's kernels for these ops and shapes, through the
     same calls as the timed run (so that its jit calls find them there); returns the exit code.
@@ -675,9 +683,7 @@ def compile_only(op_names, shapes, workers):
     print(note, flush=True)
     if up is None:
         return 1
-    kinds = []
-    for n in op_names:
-        kinds += [k for k in UP_KINDS[n] if k not in kinds]
+    kinds = upstream_kinds(op_names)
     jobs = [(kind, shape) for shape in shapes for kind in kinds]
     workers = workers or min(len(jobs), os.cpu_count() or 1)
     print(f"compiling {len(jobs)} upstream kernels ({', '.join(kinds)}) in {workers} threads "
@@ -755,9 +761,7 @@ def main():
         load_upstream()
     print(up_note, flush=True)
     ops = make_ops(up)
-    kinds = []
-    for n in op_names:
-        kinds += [k for k in UP_KINDS[n] if k not in kinds]
+    kinds = upstream_kinds(op_names)
     compile_timeout = cfg.compile_timeout or 240.0 * len(kinds)
     compiler = None
     if up is not None:
